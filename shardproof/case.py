@@ -1,0 +1,101 @@
+"""A verification case: the reference model, the per-rank model and how state and inputs are split.
+
+A case file is a Python module with the v1 contract (see README). Loading it never runs the
+models; it only checks that the required parts exist so a mistake is reported before tracing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+import torch
+
+from shardproof.errors import CaseError
+
+Output = tuple[str, ...] | tuple[str, int]
+
+
+@dataclass
+class Case:
+    """Everything shardproof needs to know about one reference/distributed pair."""
+
+    reference: Callable[[], torch.nn.Module]
+    distributed: Callable[[int, int], torch.nn.Module]
+    inputs: Callable[[], tuple]
+    world_size: int = 2
+    shard_state: Callable[[dict, int, int], dict] | None = None
+    shard_input: Callable[[int, torch.Tensor, int, int], torch.Tensor] | None = None
+    output: Output = ("replicate",)
+    source: Path | None = None
+    source_functions: list[Callable] = field(default_factory=list)
+
+    def output_layout(self) -> Output:
+        return normalize_output(self.output)
+
+
+def normalize_output(output: Any) -> Output:
+    """Accept `"replicate"`, `("shard", dim)` or `("replicate",)`; reject anything else early."""
+    if output == "replicate" or output == ("replicate",):
+        return ("replicate",)
+    if isinstance(output, (tuple, list)) and len(output) == 2 and output[0] == "shard":
+        return ("shard", int(output[1]))
+    raise CaseError(f"OUTPUT must be 'replicate' or ('shard', dim), got {output!r}")
+
+
+def load_case(path: str | Path) -> Case:
+    """Import a case file and check its contract, turning every failure into a CaseError."""
+    path = Path(path)
+    if not path.is_file():
+        raise CaseError(f"case file not found: {path}")
+    module = _import_file(path)
+    missing = [name for name in ("reference", "distributed", "inputs") if not callable(getattr(module, name, None))]
+    if missing:
+        raise CaseError(
+            f"{path}: missing required function(s) {', '.join(missing)}; a case file defines "
+            "reference(), distributed(rank, world_size) and inputs()"
+        )
+    return Case(
+        reference=module.reference,
+        distributed=module.distributed,
+        inputs=module.inputs,
+        world_size=int(getattr(module, "WORLD_SIZE", 2)),
+        shard_state=getattr(module, "shard_state", None),
+        shard_input=getattr(module, "shard_input", None),
+        output=normalize_output(getattr(module, "OUTPUT", "replicate")),
+        source=path.resolve(),
+        source_functions=_functions_defined_in(module),
+    )
+
+
+def _import_file(path: Path) -> ModuleType:
+    name = f"shardproof_case_{abs(hash(path.resolve()))}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise CaseError(f"{path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as err:
+        raise CaseError(f"{err.filename}:{err.lineno}: syntax error in case file: {err.msg}") from err
+    except Exception as err:  # noqa: BLE001 - any import-time failure is the user's to fix
+        raise CaseError(f"{path}: importing the case file failed: {type(err).__name__}: {err}") from err
+    return module
+
+
+def _functions_defined_in(module: ModuleType) -> list[Callable]:
+    """Functions and methods written in the case file: their frames are kept as source locations."""
+    found: list[Callable] = []
+    for value in vars(module).values():
+        if getattr(value, "__module__", None) != module.__name__:
+            continue
+        if isinstance(value, type):
+            found.extend(v for v in vars(value).values() if callable(v) and hasattr(v, "__code__"))
+        elif callable(value) and hasattr(value, "__code__"):
+            found.append(value)
+    return found

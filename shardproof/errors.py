@@ -1,0 +1,21 @@
+"""Errors that mean "unusable input": the CLI turns them into exit code 2 with their message."""
+
+
+class ShardproofError(Exception):
+    """Base class: the message alone must tell the user what to do next."""
+
+
+class CaseError(ShardproofError):
+    """The case file is missing, malformed or breaks the contract."""
+
+
+class CaptureError(ShardproofError):
+    """A model or shard function could not be traced."""
+
+
+class UnsupportedOp(ShardproofError):
+    """An operation shardproof has no semantics for."""
+
+    def __init__(self, op: str, where: str = ""):
+        self.op = op
+        super().__init__(f"no rule for op `{op}`{' at ' + where if where else ''}")

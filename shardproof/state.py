@@ -1,0 +1,90 @@
+"""Build one rank's state dict and inputs from the reference's, exactly as the checkpoint loader would.
+
+The same functions run under fake tensors during capture (so the slicing becomes part of the traced
+graph and its bugs are found too) and on real tensors in the numeric oracle.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+from shardproof.case import Case
+from shardproof.errors import CaseError
+
+
+def module_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and buffers by qualified name: the leaves a model reads."""
+    state = dict(module.named_parameters(remove_duplicate=False))
+    state.update(module.named_buffers(remove_duplicate=False))
+    return state
+
+
+def rank_state(
+    case: Case, ref_state: dict[str, torch.Tensor], dist_model: torch.nn.Module, rank: int, world_size: int
+) -> dict[str, torch.Tensor]:
+    """This rank's state dict; plain shards are wrapped as DTensors where the model holds DTensors."""
+    wanted = module_state(dist_model)
+    if case.shard_state is not None:
+        local = case.shard_state(ref_state, rank, world_size)
+        unknown = sorted(set(local) - set(wanted))
+        if unknown:
+            raise CaseError(f"shard_state returned names the distributed model does not have: {unknown[:5]}")
+    else:
+        local = {name: _infer_shard(name, held, ref_state, rank, world_size) for name, held in wanted.items()}
+    return {name: _as_model_holds(tensor, wanted[name]) for name, tensor in local.items()}
+
+
+def rank_inputs(case: Case, ref_inputs: tuple, rank: int, world_size: int) -> tuple:
+    if case.shard_input is None:
+        return tuple(ref_inputs)
+    return tuple(case.shard_input(i, x, rank, world_size) for i, x in enumerate(ref_inputs))
+
+
+def _infer_shard(
+    name: str, held: torch.Tensor, ref_state: dict[str, torch.Tensor], rank: int, world_size: int
+) -> torch.Tensor:
+    """Default loader: same name in the reference; the layout from DTensor placements or shapes."""
+    if name not in ref_state:
+        raise CaseError(
+            f"cannot infer how `{name}` is built from the reference state: no reference tensor has that "
+            "name. Define shard_state(ref_state, rank, world_size) in the case file."
+        )
+    full = ref_state[name]
+    if isinstance(held, DTensor):
+        return _dtensor_local(full, held, rank)
+    if tuple(held.shape) == tuple(full.shape):
+        return full
+    split_dims = [
+        d for d, (h, f) in enumerate(zip(held.shape, full.shape)) if h != f and h * world_size == f
+    ]
+    if held.dim() != full.dim() or len(split_dims) != 1 or _count_mismatches(held, full) != 1:
+        raise CaseError(
+            f"cannot infer how `{name}` {tuple(held.shape)} is cut from the reference {tuple(full.shape)} "
+            f"at world size {world_size}. Define shard_state(ref_state, rank, world_size) in the case file."
+        )
+    return full.chunk(world_size, split_dims[0])[rank]
+
+
+def _count_mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
+    return sum(x != y for x, y in zip(a.shape, b.shape))
+
+
+def _dtensor_local(full: torch.Tensor, held: DTensor, rank: int) -> torch.Tensor:
+    mesh = held.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise CaseError(f"rank {rank} is not in the device mesh of a DTensor parameter")
+    local = full
+    for mesh_dim, placement in enumerate(held.placements):
+        if isinstance(placement, Shard):
+            local = local.chunk(mesh.size(mesh_dim), placement.dim)[coordinate[mesh_dim]]
+    return local
+
+
+def _as_model_holds(tensor: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+    if isinstance(held, DTensor) and not isinstance(tensor, DTensor):
+        return DTensor.from_local(
+            tensor, held.device_mesh, held.placements, run_check=False, shape=held.shape, stride=held.stride()
+        )
+    return tensor
