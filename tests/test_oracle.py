@@ -1,0 +1,112 @@
+"""The numeric oracle on hand-written cases: correct TP agrees, a missing all-reduce does not."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from shardproof.case import Case
+from shardproof.oracle import run_numeric
+
+HIDDEN, FFN = 8, 16
+
+
+class Mlp(nn.Module):
+    def __init__(self, ffn: int = FFN, reduce: bool = False):
+        super().__init__()
+        self.up = nn.Linear(HIDDEN, ffn)
+        self.down = nn.Linear(ffn, HIDDEN, bias=False)
+        self.reduce = reduce
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.down(torch.relu(self.up(x)))
+        if self.reduce:
+            dist.all_reduce(y)
+        return y
+
+
+def _inputs() -> tuple:
+    return (torch.randn(2, 3, HIDDEN),)
+
+
+def _megatron_case(reduce: bool) -> Case:
+    return Case(reference=Mlp, distributed=lambda rank, n: Mlp(FFN // n, reduce), inputs=_inputs)
+
+
+def _dtensor_mlp(rank: int, n: int) -> nn.Module:
+    mesh = init_device_mesh("cpu", (n,))
+    return parallelize_module(Mlp(), mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_megatron_mlp_agrees(world_size: int) -> None:
+    result = run_numeric(_megatron_case(reduce=True), world_size)
+    assert result.agree, result.detail
+    assert result.max_abs_error < 1e-12
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_missing_all_reduce_disagrees(world_size: int) -> None:
+    result = run_numeric(_megatron_case(reduce=False), world_size)
+    assert not result.agree
+    assert result.detail.startswith("rank ")
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_dtensor_mlp_agrees(world_size: int) -> None:
+    case = Case(reference=Mlp, distributed=_dtensor_mlp, inputs=_inputs)
+    result = run_numeric(case, world_size)
+    assert result.agree, result.detail
+
+
+def test_shard_layout_and_shape_mismatch() -> None:
+    """A column-parallel layer without gather: its shards concatenate to the reference output."""
+    ref = lambda: nn.Linear(HIDDEN, FFN)  # noqa: E731
+    sharded = Case(reference=ref, distributed=lambda r, n: nn.Linear(HIDDEN, FFN // n), inputs=_inputs,
+                   shard_state=lambda s, r, n: {k: v.chunk(n, 0)[r] for k, v in s.items()}, output=("shard", -1))
+    assert run_numeric(sharded, 4).agree
+    replicated = dataclasses.replace(sharded, output=("replicate",))
+    result = run_numeric(replicated, 4)
+    assert not result.agree and "shape" in result.detail
+
+
+def test_rank_dependent_collectives_report_a_hang() -> None:
+    class OnlyRankZeroReduces(Mlp):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = super().forward(x)
+            if dist.get_rank() == 0:
+                dist.all_reduce(y)
+            return y
+
+    case = Case(reference=Mlp, distributed=lambda r, n: OnlyRankZeroReduces(FFN // n), inputs=_inputs)
+    result = run_numeric(case, 2)
+    assert not result.agree and "never finished" in result.detail
+    assert run_numeric(_megatron_case(reduce=True), 2).agree  # the oracle recovers
+
+
+def test_rank_exception_propagates_and_leaves_no_threads() -> None:
+    before = threading.active_count()
+
+    def broken(rank: int, n: int) -> nn.Module:
+        if rank == 1:
+            raise ValueError("bad rank")
+        return Mlp(FFN // n, reduce=True)
+
+    with pytest.raises(ValueError, match="bad rank"):
+        run_numeric(Case(reference=Mlp, distributed=broken, inputs=_inputs), 2)
+    assert threading.active_count() == before
+    assert not dist.is_initialized()
+    assert torch.get_default_dtype() == torch.float32
+
+
+def test_seeded_and_deterministic() -> None:
+    case = _megatron_case(reduce=True)
+    assert run_numeric(case, 2, seed=3).max_abs_error == run_numeric(case, 2, seed=3).max_abs_error
