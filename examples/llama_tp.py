@@ -1,0 +1,257 @@
+"""Case: a Llama decoder, tensor parallel in the Megatron-LM / vLLM style with explicit collectives.
+
+Reference (examples/llama_reference.py): embedding, L x [RMSNorm, GQA attention with RoPE and a
+fused qkv projection, residual, RMSNorm, SwiGLU MLP with a fused gate_up projection, residual],
+final RMSNorm, lm_head.
+
+Distributed (this file), per rank, on the default process group:
+  - VocabParallelEmbedding: rows [vocab_start, vocab_end) of the table; ids outside are masked,
+    looked up as 0, their rows zeroed, then `dist.all_reduce`.
+  - QKVParallelLinear: the rank's fused weight is cat(its q-head rows, its k-head rows, its v-head
+    rows). With fewer kv heads than ranks, kv heads are replicated: rank r holds kv head
+    r // (world_size // n_kv_heads), exactly the one its q heads attend with.
+  - attention on the local heads (RoPE, explicit causal softmax), row-parallel o_proj + all_reduce.
+  - MergedColumnParallelLinear gate_up: the rank's fused weight is cat(gate shard, up shard);
+    row-parallel down_proj + all_reduce.
+  - column-parallel lm_head, logits all-gathered along the vocab (last) dim: output replicated.
+  - RMSNorm weights replicated.
+`shard_state` builds each rank's tensors from the reference checkpoint with slicing/chunk/cat only.
+
+`shardproof --preset llama3-8b` (or llama3.1-405b) replaces the module global CONFIG; every
+function below reads CONFIG when called.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+if str(Path(__file__).parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).parent))
+
+from llama_reference import (  # noqa: E402
+    PRESETS,
+    SMALL,
+    LlamaConfig,
+    LlamaReference,
+    RMSNorm,
+    apply_rope,
+    causal_attention,
+    rotary_tables,
+    token_inputs,
+)
+
+CONFIG = SMALL
+PRESETS = dict(PRESETS)
+WORLD_SIZE = 2
+OUTPUT = "replicate"
+
+
+# --------------------------------------------------------------------------------------------
+# head / row bookkeeping shared by the model and shard_state
+
+
+def _check(config: LlamaConfig, world_size: int) -> None:
+    problems = [
+        f"{name}={value} is not divisible by world_size={world_size}"
+        for name, value in (("vocab", config.vocab), ("n_heads", config.n_heads), ("ffn", config.ffn))
+        if value % world_size
+    ]
+    if config.n_kv_heads % world_size and world_size % config.n_kv_heads:
+        problems.append(f"n_kv_heads={config.n_kv_heads} and world_size={world_size} do not divide one another")
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def _local_heads(config: LlamaConfig, rank: int, world_size: int) -> tuple[int, int, int]:
+    """(local q heads, local kv heads, first kv head of this rank)."""
+    n_q = config.n_heads // world_size
+    if config.n_kv_heads >= world_size:
+        n_kv = config.n_kv_heads // world_size
+        return n_q, n_kv, rank * n_kv
+    replicas = world_size // config.n_kv_heads  # vLLM: num_kv_head_replicas
+    return n_q, 1, rank // replicas
+
+
+# --------------------------------------------------------------------------------------------
+# parallel layers
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, config: LlamaConfig, rank: int, world_size: int):
+        super().__init__()
+        per_rank = config.vocab // world_size
+        self.vocab_start, self.vocab_end = rank * per_rank, (rank + 1) * per_rank
+        self.weight = nn.Parameter(torch.empty(per_rank, config.hidden))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        input_mask = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
+        masked_input = (input_ids - self.vocab_start).masked_fill(input_mask, 0)
+        output_parallel = F.embedding(masked_input, self.weight)
+        output_parallel = output_parallel.masked_fill(input_mask.unsqueeze(-1), 0.0)
+        dist.all_reduce(output_parallel)
+        return output_parallel
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_local = x @ W_local.T; the output stays sharded along its last dim."""
+
+    def __init__(self, in_features: int, local_out: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(local_out, in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class RowParallelLinear(nn.Module):
+    """Input sharded along its last dim; partial products summed with all_reduce."""
+
+    def __init__(self, local_in: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, local_in))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        dist.all_reduce(y)
+        return y
+
+
+class ParallelLMHead(nn.Module):
+    """Column-parallel over the vocab, then Megatron's gather along the last dim."""
+
+    def __init__(self, config: LlamaConfig, world_size: int):
+        super().__init__()
+        self.world_size = world_size
+        self.weight = nn.Parameter(torch.empty(config.vocab // world_size, config.hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x, self.weight).contiguous()
+        gathered = [torch.empty_like(logits) for _ in range(self.world_size)]
+        dist.all_gather(gathered, logits)
+        return torch.cat(gathered, dim=-1)
+
+
+class TPAttention(nn.Module):
+    def __init__(self, config: LlamaConfig, rank: int, world_size: int):
+        super().__init__()
+        self.config = config
+        self.n_q, self.n_kv, _ = _local_heads(config, rank, world_size)
+        d = config.head_dim
+        self.qkv_proj = ColumnParallelLinear(config.hidden, (self.n_q + 2 * self.n_kv) * d)  # QKVParallelLinear
+        self.o_proj = RowParallelLinear(self.n_q * d, config.hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = self.config.head_dim
+        b, s, _ = x.shape
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.n_q * d, self.n_kv * d, self.n_kv * d], dim=-1)
+        q = q.view(b, s, self.n_q, d).transpose(1, 2)
+        k = k.view(b, s, self.n_kv, d).transpose(1, 2)
+        v = v.view(b, s, self.n_kv, d).transpose(1, 2)
+        cos, sin = rotary_tables(self.config, s, x.dtype, x.device)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = causal_attention(q, k, v)
+        out = out.transpose(1, 2).reshape(b, s, self.n_q * d)
+        return self.o_proj(out)
+
+
+class TPMLP(nn.Module):
+    def __init__(self, config: LlamaConfig, world_size: int):
+        super().__init__()
+        local_ffn = config.ffn // world_size
+        self.gate_up_proj = ColumnParallelLinear(config.hidden, 2 * local_ffn)  # MergedColumnParallelLinear
+        self.down_proj = RowParallelLinear(local_ffn, config.hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        half = gate_up.shape[-1] // 2
+        return self.down_proj(F.silu(gate_up[..., :half]) * gate_up[..., half:])  # SiluAndMul
+
+
+class TPDecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig, rank: int, world_size: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden, config.norm_eps)
+        self.self_attn = TPAttention(config, rank, world_size)
+        self.post_attention_layernorm = RMSNorm(config.hidden, config.norm_eps)
+        self.mlp = TPMLP(config, world_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaTP(nn.Module):
+    def __init__(self, config: LlamaConfig, rank: int, world_size: int):
+        super().__init__()
+        _check(config, world_size)
+        self.embed_tokens = VocabParallelEmbedding(config, rank, world_size)
+        self.layers = nn.ModuleList(TPDecoderLayer(config, rank, world_size) for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.hidden, config.norm_eps)
+        self.lm_head = ParallelLMHead(config, world_size)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.norm(x))
+
+
+# --------------------------------------------------------------------------------------------
+# the case
+
+
+def reference() -> nn.Module:
+    return LlamaReference(CONFIG)
+
+
+def distributed(rank: int, world_size: int) -> nn.Module:
+    return LlamaTP(CONFIG, rank, world_size)
+
+
+def inputs() -> tuple:
+    return token_inputs(CONFIG)
+
+
+def shard_state(ref_state: dict, rank: int, world_size: int) -> dict:
+    """The checkpoint loader: this rank's tensors, cut from the reference's with slicing and cat."""
+    c = CONFIG
+    d = c.head_dim
+    n_q, n_kv, kv_first = _local_heads(c, rank, world_size)
+    q_rows, kv_rows = c.n_heads * d, c.n_kv_heads * d
+    vocab_rows = c.vocab // world_size
+    ffn = c.ffn // world_size
+
+    out = {
+        "embed_tokens.weight": ref_state["embed_tokens.weight"][rank * vocab_rows : (rank + 1) * vocab_rows],
+        "norm.weight": ref_state["norm.weight"],
+        "lm_head.weight": ref_state["lm_head.weight"][rank * vocab_rows : (rank + 1) * vocab_rows],
+    }
+    for i in range(c.n_layers):
+        p = f"layers.{i}."
+        qkv = ref_state[p + "self_attn.qkv_proj.weight"]
+        q = qkv[rank * n_q * d : (rank + 1) * n_q * d]
+        k = qkv[q_rows + kv_first * d : q_rows + (kv_first + n_kv) * d]
+        v = qkv[q_rows + kv_rows + kv_first * d : q_rows + kv_rows + (kv_first + n_kv) * d]
+        gate_up = ref_state[p + "mlp.gate_up_proj.weight"]
+        gate = gate_up[rank * ffn : (rank + 1) * ffn]
+        up = gate_up[c.ffn + rank * ffn : c.ffn + (rank + 1) * ffn]
+        out.update(
+            {
+                p + "input_layernorm.weight": ref_state[p + "input_layernorm.weight"],
+                p + "post_attention_layernorm.weight": ref_state[p + "post_attention_layernorm.weight"],
+                p + "self_attn.qkv_proj.weight": torch.cat([q, k, v], dim=0),
+                p + "self_attn.o_proj.weight": ref_state[p + "self_attn.o_proj.weight"][
+                    :, rank * n_q * d : (rank + 1) * n_q * d
+                ],
+                p + "mlp.gate_up_proj.weight": torch.cat([gate, up], dim=0),
+                p + "mlp.down_proj.weight": ref_state[p + "mlp.down_proj.weight"][:, rank * ffn : (rank + 1) * ffn],
+            }
+        )
+    return out

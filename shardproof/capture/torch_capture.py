@@ -1,0 +1,187 @@
+"""Trace the reference and every rank with make_fx on fake tensors under a fake process group.
+
+Both sides are traced as functions of the SAME leaves: the reference state dict and the reference
+inputs. A rank's function builds its own state with the case's `shard_state` (or the default
+loader) inside the trace, so the checkpoint slicing is part of the rank's graph and the prover
+relates every rank tensor to reference tensors without being told how they are laid out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import DTensor
+from torch.func import functional_call, functionalize
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from shardproof.capture.locations import anchor_user_code, locate
+from shardproof.case import Case
+from shardproof.errors import CaptureError, ShardproofError
+from shardproof.ir.from_fx import Lowerer
+from shardproof.ir.graph import Graph
+from shardproof.state import module_state, rank_inputs, rank_state
+
+
+@dataclass
+class Captured:
+    reference: Graph
+    ranks: list[Graph]
+    seconds: float
+
+
+def capture(case: Case, world_size: int, progress: Callable[[str], None] = lambda _: None) -> Captured:
+    """Trace the reference once and each rank once; every failure becomes a CaptureError."""
+    start = time.perf_counter()
+    if case.source is not None:
+        anchor_user_code(case.source_functions, case.source.parent)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        with _process_group(0, world_size):
+            ref_model = _build("reference()", case.reference)
+            ref_state = module_state(ref_model)
+            ref_inputs = tuple(_build("inputs()", case.inputs))
+        names = list(ref_state)
+        leaf_names = [f"state:{n}" for n in names] + [f"input:{i}" for i in range(len(ref_inputs))]
+        leaves = [*ref_state.values(), *ref_inputs]
+
+        def unpack(args: tuple) -> tuple[dict[str, torch.Tensor], tuple]:
+            return dict(zip(names, args[: len(names)])), tuple(args[len(names) :])
+
+        def run_reference(*args: torch.Tensor) -> list[torch.Tensor]:
+            state, inputs = unpack(args)
+            return _tensors(functional_call(ref_model, state, inputs))
+
+        progress("tracing reference")
+        reference = _trace("the reference model", run_reference, leaves, leaf_names, [], None)
+        ranks = []
+        for rank in range(world_size):
+            progress(f"tracing rank {rank}/{world_size}")
+            with _process_group(rank, world_size):
+                model = _build(f"distributed({rank}, {world_size})", lambda: case.distributed(rank, world_size))
+
+                def run_rank(*args: torch.Tensor, model=model, rank=rank) -> list[torch.Tensor]:
+                    state, inputs = unpack(args)
+                    local_state = rank_state(case, state, model, rank, world_size)
+                    local_inputs = rank_inputs(case, inputs, rank, world_size)
+                    return _tensors(functional_call(model, local_state, local_inputs))
+
+                with _recorded_reduce_ops() as reduce_ops:
+                    ranks.append(_trace(f"rank {rank}", run_rank, leaves, leaf_names, reduce_ops, rank))
+    return Captured(reference, ranks, time.perf_counter() - start)
+
+
+def _trace(
+    what: str, fn: Callable, leaves: list, leaf_names: list[str], reduce_ops: list[str], rank: int | None
+) -> Graph:
+    try:
+        gm = make_fx(functionalize(fn), tracing_mode="real", record_stack_traces=True)(*leaves)
+    except ShardproofError:
+        raise
+    except Exception as err:  # noqa: BLE001 - any tracing failure is reported with the user's frame
+        raise CaptureError(f"tracing {what} failed: {type(err).__name__}: {_first_line(err)}{_user_frame(err)}") from err
+    return Lowerer(gm, leaf_names, locate, reduce_ops, _group_ranks, rank).run()
+
+
+def _build(what: str, fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except ShardproofError:
+        raise
+    except Exception as err:  # noqa: BLE001
+        raise CaptureError(f"{what} failed: {type(err).__name__}: {_first_line(err)}{_user_frame(err)}") from err
+
+
+def _tensors(output: Any) -> list[torch.Tensor]:
+    """Model outputs as a flat list of plain tensors (DTensors as their local shard)."""
+    if isinstance(output, DTensor):
+        return [output.to_local()]
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (list, tuple)):
+        return [t for item in output for t in _tensors(item)]
+    raise CaptureError(f"model returned {type(output).__name__}; return tensors (or a tuple/list/dict of them)")
+
+
+@contextlib.contextmanager
+def _process_group(rank: int, world_size: int) -> Iterator[None]:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _recorded_reduce_ops() -> Iterator[list[str]]:
+    """In-place c10d collectives hide their ReduceOp in an opaque object: note it at call time."""
+    recorded: list[str] = []
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "reduce_scatter_tensor", "reduce_scatter")}
+
+    def wrap(name: str) -> Callable:
+        original = originals[name]
+        signature = inspect.signature(original)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            op = signature.bind(*args, **kwargs).arguments.get("op", dist.ReduceOp.SUM)
+            recorded.append(_reduce_name(op))
+            return original(*args, **kwargs)
+
+        return call
+
+    for name in originals:
+        setattr(dist, name, wrap(name))
+    try:
+        yield recorded
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+def _reduce_name(op: Any) -> str:
+    names = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "mean", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min"}
+    for key, name in names.items():
+        if op == key:
+            return name
+    return "unsupported"
+
+
+def _group_ranks(group: Any) -> tuple[int, ...]:
+    """The global ranks of a process group given as a torchbind object or a group name."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    if isinstance(group, str):
+        pg = _resolve_process_group(group)
+    elif isinstance(group, torch.ScriptObject):
+        pg = dist.ProcessGroup.unbox(group)
+    else:
+        pg = group
+    return tuple(dist.get_process_group_ranks(pg))
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else ""
+
+
+def _user_frame(err: Exception) -> str:
+    """The last frame of the traceback outside torch: where the user's code was when it failed."""
+    torch_dir = str(Path(torch.__file__).parent)
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if not f.filename.startswith(torch_dir)]
+    frames = [f for f in frames if "/shardproof/" not in f.filename]
+    if not frames:
+        return ""
+    last = frames[-1]
+    return f"\n  at {last.filename}:{last.lineno}  {(last.line or '').strip()}"

@@ -1,0 +1,574 @@
+"""Lower a functionalized aten FX graph (from make_fx) into the shardproof IR.
+
+Aten has hundreds of ops; most are spellings of a few meanings (t/transpose/permute are all
+`permute`, view/reshape/squeeze/unsqueeze/flatten are all `view`, ...). The table `_LOWER` maps
+each aten op to a small function that emits IR; an aten op missing from it raises UnsupportedOp.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from shardproof.errors import UnsupportedOp
+from shardproof.ir.graph import Graph, Location
+
+Value = Any  # an IR node id, or a (nested) tuple of them for multi-output ops
+LocationOf = Callable[[fx.Node], Location | None]
+
+
+class Lowerer:
+    """Walks one FX graph in order and emits IR nodes into `graph`."""
+
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        leaf_names: list[str],
+        locate: LocationOf,
+        reduce_ops: list[str],
+        group_ranks: Callable[[Any], tuple[int, ...]],
+        rank: int | None,
+    ):
+        self.gm = gm
+        self.graph = Graph(rank=rank)
+        self.leaf_names = leaf_names
+        self.locate = locate
+        self.reduce_ops = list(reduce_ops)  # c10d in-place collectives' ops, in call order
+        self._group_ranks = group_ranks
+        self.env: dict[fx.Node, Value] = {}
+        self.current: fx.Node | None = None
+        self._scalars: dict[tuple, int] = {}
+
+    # --- emitting -------------------------------------------------------------------------
+    def emit(self, op: str, inputs: tuple[int, ...], attrs: tuple = (), shape=None, dtype=None) -> int:
+        node = self.current
+        val = node.meta.get("val") if node is not None else None
+        if shape is None:
+            shape = tuple(val.shape) if isinstance(val, torch.Tensor) else ()
+        if dtype is None:
+            dtype = str(val.dtype).removeprefix("torch.") if isinstance(val, torch.Tensor) else "float32"
+        name = node.name if node is not None else op
+        return self.graph.add(op, inputs, attrs, shape, dtype, name, self.locate(node) if node is not None else None)
+
+    def group_ranks(self, group: Any) -> tuple[int, ...]:
+        return self._group_ranks(self.env[group] if isinstance(group, fx.Node) else group)
+
+    def shape(self, value: int) -> tuple[int, ...]:
+        return self.graph[value].shape
+
+    def dtype(self, value: int) -> str:
+        return self.graph[value].dtype
+
+    def scalar(self, value: float | int | bool, dtype: str | None = None) -> int:
+        """A 0-d constant; python numbers in aten calls become these."""
+        dtype = dtype or ("bool" if isinstance(value, bool) else "int64" if isinstance(value, int) else "float32")
+        key = (value, dtype)
+        if key not in self._scalars:
+            self._scalars[key] = self.graph.add("const", (), (("full", value),), (), dtype, f"scalar_{value}")
+        return self._scalars[key]
+
+    def tensor(self, arg: Any) -> int:
+        """An operand that may be a node or a python number."""
+        if isinstance(arg, fx.Node):
+            value = self.env[arg]
+            if not isinstance(value, int):
+                raise UnsupportedOp(f"tuple used as tensor ({arg.name})")
+            return value
+        if isinstance(arg, (int, float, bool)):
+            return self.scalar(arg)
+        raise UnsupportedOp(f"operand of type {type(arg).__name__}")
+
+    # --- walking ----------------------------------------------------------------------------
+    def run(self) -> Graph:
+        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != len(self.leaf_names):
+            raise ValueError(f"{len(placeholders)} graph inputs for {len(self.leaf_names)} leaves")
+        for node, name in zip(placeholders, self.leaf_names):
+            self.current = node
+            self.env[node] = self.emit("leaf", (), (name,))
+        for node in self.gm.graph.nodes:
+            self.current = node
+            if node.op == "call_function":
+                self.env[node] = self.call(node)
+            elif node.op == "get_attr":
+                self.env[node] = self.get_attr(node)
+            elif node.op == "output":
+                self.graph.outputs = [self.tensor(a) for a in _flatten(node.args[0])]
+        return self.graph
+
+    def get_attr(self, node: fx.Node) -> Value:
+        obj = getattr(self.gm, node.target)
+        if isinstance(obj, torch.Tensor):
+            return self.constant_tensor(obj)
+        return obj  # process groups, reduce ops: consumed by collective lowerings
+
+    def constant_tensor(self, tensor: torch.Tensor) -> int:
+        real = getattr(tensor, "constant", None)
+        real = tensor if real is None and not _is_fake(tensor) else real
+        if real is None:
+            raise UnsupportedOp("a tensor constant whose value is unknown under fake tensors")
+        if real.numel() == 1:
+            attrs = (("full", real.item()),)
+        else:
+            attrs = (("values", tuple(real.flatten().tolist())),)
+        dtype = str(real.dtype).removeprefix("torch.")
+        return self.graph.add("const", (), attrs, tuple(real.shape), dtype, node_name(self.current))
+
+    def call(self, node: fx.Node) -> Value:
+        if node.target is operator.getitem:
+            container, index = node.args
+            return self.env[container][index]
+        key = _aten_key(node.target)
+        lower = _LOWER.get(key)
+        if lower is None:
+            raise UnsupportedOp(key, _where(self.locate(node)))
+        return lower(self, *node.args, **node.kwargs)
+
+
+def node_name(node: fx.Node | None) -> str:
+    return node.name if node is not None else "const"
+
+
+def _is_fake(tensor: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(tensor, FakeTensor)
+
+
+def _where(loc: Location | None) -> str:
+    return f"{loc.short()}  {loc.code}" if loc else ""
+
+
+def _aten_key(target: Any) -> str:
+    text = str(target)
+    parts = text.split(".")
+    return ".".join(parts[:2]) if len(parts) >= 2 else text
+
+
+def _flatten(value: Any) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        return [x for v in value for x in _flatten(v)]
+    return [] if value is None else [value]
+
+
+def _dim(dim: int, rank: int) -> int:
+    return dim + rank if dim < 0 else dim
+
+
+# --- lowerings, grouped by meaning ------------------------------------------------------------
+def _passthrough(lo: Lowerer, x, *args, **kwargs) -> int:
+    return lo.tensor(x)
+
+
+def _view(lo: Lowerer, x, *args, **kwargs) -> int:
+    out_shape = tuple(lo.current.meta["val"].shape)
+    value = lo.tensor(x)
+    if lo.shape(value) == out_shape:
+        return value
+    return lo.emit("view", (value,), (out_shape,))
+
+
+def _permute(lo: Lowerer, x, perm, **kwargs) -> int:
+    value = lo.tensor(x)
+    rank = len(lo.shape(value))
+    perm = tuple(_dim(p, rank) for p in perm)
+    if perm == tuple(range(rank)):
+        return value
+    return lo.emit("permute", (value,), (perm,))
+
+
+def _transpose(lo: Lowerer, x, d0: int = 0, d1: int = 1, **kwargs) -> int:
+    rank = len(lo.shape(lo.tensor(x)))
+    perm = list(range(rank))
+    if rank >= 2:
+        d0, d1 = _dim(d0, rank), _dim(d1, rank)
+        perm[d0], perm[d1] = perm[d1], perm[d0]
+    return _permute(lo, x, perm)
+
+
+def slice_value(lo: Lowerer, value: int, dim: int, start: int, end: int) -> int:
+    size = lo.shape(value)[dim]
+    start, end = max(0, min(start, size)), max(0, min(end, size))
+    end = max(start, end)
+    if (start, end) == (0, size):
+        return value
+    shape = list(lo.shape(value))
+    shape[dim] = end - start
+    return lo.emit("slice", (value,), (dim, start, end), tuple(shape), lo.dtype(value))
+
+
+def _slice(lo: Lowerer, x, dim: int = 0, start=None, end=None, step: int = 1) -> int:
+    value = lo.tensor(x)
+    rank = len(lo.shape(value))
+    dim = _dim(dim, rank)
+    size = lo.shape(value)[dim]
+    if step != 1:
+        raise UnsupportedOp("slice with step != 1", _where(lo.locate(lo.current)))
+    start = 0 if start is None else (start + size if start < 0 else start)
+    end = size if end is None else (end + size if end < 0 else end)
+    return slice_value(lo, value, dim, start, end)
+
+
+def _narrow(lo: Lowerer, x, dim: int, start: int, length: int) -> int:
+    return _slice(lo, x, dim, start, start + length)
+
+
+def _select(lo: Lowerer, x, dim: int, index: int) -> int:
+    value = lo.tensor(x)
+    shape = lo.shape(value)
+    dim = _dim(dim, len(shape))
+    index = index + shape[dim] if index < 0 else index
+    piece = slice_value(lo, value, dim, index, index + 1)
+    out_shape = shape[:dim] + shape[dim + 1 :]
+    return lo.emit("view", (piece,), (out_shape,), out_shape, lo.dtype(value))
+
+
+def _split_sizes(lo: Lowerer, x, sizes: list[int], dim: int = 0) -> tuple[int, ...]:
+    value = lo.tensor(x)
+    dim = _dim(dim, len(lo.shape(value)))
+    out, start = [], 0
+    for size in sizes:
+        out.append(slice_value(lo, value, dim, start, start + size))
+        start += size
+    return tuple(out)
+
+
+def _split(lo: Lowerer, x, split_size, dim: int = 0) -> tuple[int, ...]:
+    if isinstance(split_size, (list, tuple)):
+        return _split_sizes(lo, x, split_size, dim)
+    total = lo.shape(lo.tensor(x))[_dim(dim, len(lo.shape(lo.tensor(x))))]
+    sizes = [min(split_size, total - s) for s in range(0, total, split_size)] or [0]
+    return _split_sizes(lo, x, sizes, dim)
+
+
+def _chunk(lo: Lowerer, x, chunks: int, dim: int = 0) -> tuple[int, ...]:
+    total = lo.shape(lo.tensor(x))[_dim(dim, len(lo.shape(lo.tensor(x))))]
+    return _split(lo, x, max(1, math.ceil(total / chunks)), dim)
+
+
+def _unbind(lo: Lowerer, x, dim: int = 0) -> tuple[int, ...]:
+    total = lo.shape(lo.tensor(x))[_dim(dim, len(lo.shape(lo.tensor(x))))]
+    return tuple(_select(lo, x, dim, i) for i in range(total))
+
+
+def _cat(lo: Lowerer, tensors, dim: int = 0) -> int:
+    values = [lo.tensor(t) for t in tensors]
+    values = [v for v in values if math.prod(lo.shape(v)) > 0 or len(lo.shape(v)) > 1]
+    if len(values) == 1:
+        return values[0]
+    dim = _dim(dim, len(lo.shape(values[0])))
+    return lo.emit("cat", tuple(values), (dim,))
+
+
+def broadcast_to(lo: Lowerer, value: int, shape: tuple[int, ...]) -> int:
+    """Make broadcasting explicit: leading 1-dims by view, then expand."""
+    have = lo.shape(value)
+    if have == tuple(shape):
+        return value
+    if len(have) < len(shape):
+        padded = (1,) * (len(shape) - len(have)) + have
+        value = lo.emit("view", (value,), (padded,), padded, lo.dtype(value))
+        have = padded
+    if have == tuple(shape):
+        return value
+    return lo.emit("expand", (value,), (tuple(shape),), tuple(shape), lo.dtype(value))
+
+
+def _expand(lo: Lowerer, x, size, **kwargs) -> int:
+    value = lo.tensor(x)
+    out_shape = tuple(lo.current.meta["val"].shape)
+    return broadcast_to(lo, value, out_shape)
+
+
+def _convert(lo: Lowerer, x, *args, **kwargs) -> int:
+    value = lo.tensor(x)
+    out = lo.current.meta["val"]
+    dtype = str(out.dtype).removeprefix("torch.")
+    if dtype == lo.dtype(value):
+        return value
+    return lo.emit("convert", (value,), (dtype,))
+
+
+def _elementwise(op: str) -> Callable[..., int]:
+    def lower(lo: Lowerer, *args, **kwargs) -> int:
+        out_shape = tuple(lo.current.meta["val"].shape)
+        operands = [lo.tensor(a) for a in args if isinstance(a, (fx.Node, int, float, bool))]
+        operands = [broadcast_to(lo, v, out_shape) for v in operands]
+        return lo.emit(op, tuple(operands))
+
+    return lower
+
+
+def _unary(op: str, attrs: tuple = ()) -> Callable[..., int]:
+    return lambda lo, x, *args, **kwargs: lo.emit(op, (lo.tensor(x),), attrs)
+
+
+def _scaled(lo: Lowerer, y, alpha) -> int:
+    out_shape = tuple(lo.current.meta["val"].shape)
+    value = broadcast_to(lo, lo.tensor(y), out_shape)
+    if alpha == 1:
+        return value
+    return lo.emit("mul", (value, broadcast_to(lo, lo.scalar(alpha), out_shape)))
+
+
+def _add(lo: Lowerer, x, y, alpha=1) -> int:
+    out_shape = tuple(lo.current.meta["val"].shape)
+    return lo.emit("add", (broadcast_to(lo, lo.tensor(x), out_shape), _scaled(lo, y, alpha)))
+
+
+def _sub(lo: Lowerer, x, y, alpha=1) -> int:
+    out_shape = tuple(lo.current.meta["val"].shape)
+    negated = lo.emit("neg", (_scaled(lo, y, alpha),), (), out_shape)
+    return lo.emit("add", (broadcast_to(lo, lo.tensor(x), out_shape), negated))
+
+
+def _rsub(lo: Lowerer, x, y, alpha=1) -> int:
+    return _sub(lo, y, x, alpha)
+
+
+def _div(lo: Lowerer, x, y, rounding_mode=None) -> int:
+    if rounding_mode is not None:
+        raise UnsupportedOp(f"div with rounding_mode={rounding_mode}")
+    return _elementwise("div")(lo, x, y)
+
+
+def _pow(lo: Lowerer, x, exponent) -> int:
+    if not isinstance(exponent, (int, float)):
+        raise UnsupportedOp("pow with a tensor exponent")
+    return lo.emit("pow", (lo.tensor(x),), (float(exponent),))
+
+
+def _reduce(op: str) -> Callable[..., int]:
+    def lower(lo: Lowerer, x, dims=None, keepdim: bool = False, **kwargs) -> int:
+        value = lo.tensor(x)
+        rank = len(lo.shape(value))
+        if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+            dims = list(range(rank))
+        dims = (dims,) if isinstance(dims, int) else dims
+        dims = tuple(sorted(_dim(d, rank) for d in dims))
+        return lo.emit(op, (value,), (dims, bool(keepdim)))
+
+    return lower
+
+
+def _mean(lo: Lowerer, x, dims=None, keepdim: bool = False, **kwargs) -> int:
+    total = _reduce("sum")(lo, x, dims, keepdim)
+    count = math.prod(lo.shape(lo.tensor(x))) // max(1, math.prod(lo.shape(total)))
+    return lo.emit("mul", (total, broadcast_to(lo, lo.scalar(1.0 / count), lo.shape(total))))
+
+
+def _softmax(op: str) -> Callable[..., int]:
+    def lower(lo: Lowerer, x, dim: int, *args, **kwargs) -> int:
+        value = lo.tensor(x)
+        return lo.emit(op, (value,), (_dim(dim, len(lo.shape(value))),))
+
+    return lower
+
+
+def _mm(lo: Lowerer, a, b) -> int:
+    return lo.emit("matmul", (lo.tensor(a), lo.tensor(b)))
+
+
+def _addmm(lo: Lowerer, bias, a, b, beta=1, alpha=1) -> int:
+    if beta != 1 or alpha != 1:
+        raise UnsupportedOp("addmm with beta/alpha != 1")
+    product = _mm(lo, a, b)
+    return lo.emit("add", (product, broadcast_to(lo, lo.tensor(bias), lo.shape(product))))
+
+
+def _embedding(lo: Lowerer, weight, ids, *args, **kwargs) -> int:
+    return lo.emit("embedding", (lo.tensor(weight), lo.tensor(ids)))
+
+
+def _where(lo: Lowerer, cond, x, y) -> int:
+    out_shape = tuple(lo.current.meta["val"].shape)
+    operands = tuple(broadcast_to(lo, lo.tensor(a), out_shape) for a in (cond, x, y))
+    return lo.emit("where", operands)
+
+
+def _masked_fill(lo: Lowerer, x, mask, value) -> int:
+    return _where(lo, mask, value, x)
+
+
+def _index_put(lo: Lowerer, x, indices, values, accumulate: bool = False) -> int:
+    """`x[mask] = v` with one boolean mask over leading dims: the only form shardproof reasons about."""
+    target = lo.tensor(x)
+    masks = [i for i in indices if i is not None]
+    if accumulate or len(masks) != 1 or len(indices) != 1:
+        raise UnsupportedOp("index_put other than x[bool_mask] = value")
+    mask = lo.tensor(masks[0])
+    if lo.dtype(mask) != "bool":
+        raise UnsupportedOp("index_put with integer indices")
+    shape = lo.shape(target)
+    mask_shape = lo.shape(mask)
+    padded = mask_shape + (1,) * (len(shape) - len(mask_shape))
+    if padded != mask_shape:
+        mask = lo.emit("view", (mask,), (padded,), padded, "bool")
+    mask = broadcast_to(lo, mask, shape)
+    value = broadcast_to(lo, lo.tensor(values), shape)
+    return lo.emit("where", (mask, value, target), (), shape, lo.dtype(target))
+
+
+def _full(lo: Lowerer, size, fill_value, **kwargs) -> int:
+    return lo.emit("const", (), (("full", fill_value),))
+
+
+def _filled(value: float) -> Callable[..., int]:
+    return lambda lo, *args, **kwargs: lo.emit("const", (), (("full", value),))
+
+
+def _empty(lo: Lowerer, *args, **kwargs) -> int:
+    return lo.emit("const", (), (("empty",),))
+
+
+def _arange(lo: Lowerer, *args, **kwargs) -> int:
+    numbers = [a for a in args if isinstance(a, (int, float))]
+    start, end, step = (0, numbers[0], 1) if len(numbers) == 1 else (*numbers[:2], numbers[2] if len(numbers) > 2 else 1)
+    return lo.emit("const", (), (("arange", start, end, step),))
+
+
+def _mask(op: str) -> Callable[..., int]:
+    return lambda lo, x, diagonal=0: lo.emit(op, (lo.tensor(x),), (diagonal,))
+
+
+def _copy(lo: Lowerer, dst, src, *args) -> int:
+    return broadcast_to(lo, lo.tensor(src), lo.shape(lo.tensor(dst)))
+
+
+# --- collectives ---------------------------------------------------------------------------------
+def _all_reduce_inplace(lo: Lowerer, tensors, group, reduce_op, *args) -> tuple:
+    op = lo.reduce_ops.pop(0) if lo.reduce_ops else "sum"
+    ranks = lo.group_ranks(group)
+    outs = [lo.emit("all_reduce", (lo.tensor(t),), (op, ranks), lo.shape(lo.tensor(t)), lo.dtype(lo.tensor(t))) for t in tensors]
+    return (outs, None)
+
+
+def gathered(lo: Lowerer, value: int, ranks: tuple[int, ...]) -> int:
+    shape = lo.shape(value)
+    out_shape = (shape[0] * len(ranks),) + shape[1:]
+    return lo.emit("all_gather", (value,), (0, ranks), out_shape, lo.dtype(value))
+
+
+def _all_gather_list(lo: Lowerer, outputs, inputs, group, *args) -> tuple:
+    ranks = lo.group_ranks(group)
+    result = []
+    for out_list, x in zip(outputs, inputs):
+        value = lo.tensor(x)
+        whole = gathered(lo, value, ranks)
+        size = lo.shape(value)[0]
+        result.append([slice_value(lo, whole, 0, i * size, (i + 1) * size) for i in range(len(out_list))])
+    return (result, None)
+
+
+def _all_gather_base(lo: Lowerer, output, x, group, *args) -> tuple:
+    return (gathered(lo, lo.tensor(x), lo.group_ranks(group)), None)
+
+
+def _reduce_scatter_base(lo: Lowerer, output, x, group, *args) -> tuple:
+    op = lo.reduce_ops.pop(0) if lo.reduce_ops else "sum"
+    ranks = lo.group_ranks(group)
+    value = lo.tensor(x)
+    shape = lo.shape(value)
+    out_shape = (shape[0] // len(ranks),) + shape[1:]
+    return (lo.emit("reduce_scatter", (value,), (0, op, ranks), out_shape, lo.dtype(value)), None)
+
+
+def _f_all_reduce(lo: Lowerer, x, op: str, group_name) -> int:
+    op = {"avg": "mean"}.get(op, op)
+    return lo.emit("all_reduce", (lo.tensor(x),), (op, lo.group_ranks(group_name)))
+
+
+def _f_all_gather(lo: Lowerer, x, group_size: int, group_name) -> int:
+    return gathered(lo, lo.tensor(x), lo.group_ranks(group_name))
+
+
+def _f_reduce_scatter(lo: Lowerer, x, op: str, group_size: int, group_name) -> int:
+    op = {"avg": "mean"}.get(op, op)
+    return lo.emit("reduce_scatter", (lo.tensor(x),), (0, op, lo.group_ranks(group_name)))
+
+
+_UNARY = ["neg", "exp", "log", "sqrt", "rsqrt", "reciprocal", "relu", "silu", "sigmoid", "tanh", "sin", "cos", "abs"]
+_COMPARE = ["lt", "le", "gt", "ge", "eq", "ne"]
+
+_LOWER: dict[str, Callable[..., Value]] = {
+    **{f"aten.{name}": _passthrough for name in ["clone", "contiguous", "alias", "detach", "lift_fresh_copy", "dropout"]},
+    **{f"aten.{name}": _view for name in ["view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "flatten", "view_copy"]},
+    "aten.t": lambda lo, x: _transpose(lo, x, 0, 1),
+    "aten.transpose": _transpose,
+    "aten.permute": _permute,
+    "aten.slice": _slice,
+    "aten.narrow": _narrow,
+    "aten.select": _select,
+    "aten.split": _split,
+    "aten.split_with_sizes": _split_sizes,
+    "aten.chunk": _chunk,
+    "aten.unbind": _unbind,
+    "aten.cat": _cat,
+    "aten.expand": _expand,
+    "aten._to_copy": _convert,
+    "aten.to": _convert,
+    "aten.type_as": _convert,
+    **{f"aten.{name}": _unary(name) for name in _UNARY},
+    "aten.gelu": lambda lo, x, approximate="none": lo.emit("gelu", (lo.tensor(x),), (approximate,)),
+    "aten.pow": _pow,
+    "aten.add": _add,
+    "aten.sub": _sub,
+    "aten.rsub": _rsub,
+    "aten.mul": _elementwise("mul"),
+    "aten.div": _div,
+    "aten.maximum": _elementwise("maximum"),
+    "aten.minimum": _elementwise("minimum"),
+    **{f"aten.{name}": _elementwise(name) for name in _COMPARE},
+    "aten.bitwise_or": _elementwise("logical_or"),
+    "aten.logical_or": _elementwise("logical_or"),
+    "aten.bitwise_and": _elementwise("logical_and"),
+    "aten.logical_and": _elementwise("logical_and"),
+    "aten.bitwise_not": _unary("logical_not"),
+    "aten.logical_not": _unary("logical_not"),
+    "aten.where": _where,
+    "aten.masked_fill": _masked_fill,
+    "aten.index_put": _index_put,
+    "aten.sum": _reduce("sum"),
+    "aten.amax": _reduce("amax"),
+    "aten.mean": _mean,
+    "aten._softmax": _softmax("softmax"),
+    "aten.softmax": _softmax("softmax"),
+    "aten._log_softmax": _softmax("log_softmax"),
+    "aten.log_softmax": _softmax("log_softmax"),
+    "aten.mm": _mm,
+    "aten.bmm": _mm,
+    "aten.matmul": _mm,
+    "aten.addmm": _addmm,
+    "aten.embedding": _embedding,
+    "aten.full": _full,
+    "aten.full_like": lambda lo, x, fill_value, **kw: lo.emit("const", (), (("full", fill_value),)),
+    "aten.zeros": _filled(0),
+    "aten.zeros_like": _filled(0),
+    "aten.new_zeros": _filled(0),
+    "aten.ones": _filled(1),
+    "aten.ones_like": _filled(1),
+    "aten.new_ones": _filled(1),
+    "aten.scalar_tensor": lambda lo, value, **kw: lo.emit("const", (), (("full", value),)),
+    "aten.empty": _empty,
+    "aten.empty_like": _empty,
+    "aten.new_empty": _empty,
+    "aten.empty_strided": _empty,
+    "aten.arange": _arange,
+    "aten.triu": _mask("triu"),
+    "aten.tril": _mask("tril"),
+    "aten.copy": _copy,
+    "c10d.allreduce_": _all_reduce_inplace,
+    "c10d.allgather_": _all_gather_list,
+    "c10d._allgather_base_": _all_gather_base,
+    "c10d.allgather_into_tensor_coalesced_": None,
+    "c10d._reduce_scatter_base_": _reduce_scatter_base,
+    "_c10d_functional.all_reduce": _f_all_reduce,
+    "_c10d_functional.all_gather_into_tensor": _f_all_gather,
+    "_c10d_functional.reduce_scatter_tensor": _f_reduce_scatter,
+    "_c10d_functional.wait_tensor": _passthrough,
+}
+_LOWER = {k: v for k, v in _LOWER.items() if v is not None}

@@ -1,0 +1,62 @@
+"""The one graph form every frontend lowers into: typed nodes with shapes and source locations."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where the user wrote the operation: the innermost frame in user code."""
+
+    file: str
+    line: int
+    code: str
+
+    def short(self) -> str:
+        return f"{self.file.rsplit('/', 1)[-1]}:{self.line}"
+
+
+@dataclass
+class Node:
+    """One operation. `op` is a name from `shardproof.ir.ops.OPS`; `attrs` are hashable values."""
+
+    id: int
+    op: str
+    inputs: tuple[int, ...]
+    attrs: tuple[Any, ...]
+    shape: tuple[int, ...]
+    dtype: str
+    name: str
+    loc: Location | None = None
+
+
+@dataclass
+class Graph:
+    """A straight-line program: nodes in execution order, outputs by node id."""
+
+    nodes: list[Node] = field(default_factory=list)
+    outputs: list[int] = field(default_factory=list)
+    rank: int | None = None
+
+    def add(
+        self,
+        op: str,
+        inputs: tuple[int, ...],
+        attrs: tuple[Any, ...],
+        shape: tuple[int, ...],
+        dtype: str,
+        name: str,
+        loc: Location | None = None,
+    ) -> int:
+        node = Node(len(self.nodes), op, inputs, attrs, tuple(shape), dtype, name, loc)
+        self.nodes.append(node)
+        return node.id
+
+    def __getitem__(self, node_id: int) -> Node:
+        return self.nodes[node_id]
+
+    def op_count(self) -> int:
+        """Operations that compute something (leaves and constants are not counted)."""
+        return sum(1 for n in self.nodes if n.op not in ("leaf", "const"))

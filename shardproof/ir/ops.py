@@ -1,0 +1,105 @@
+"""The op set: every IR op's meaning, in one table.
+
+Each entry says what kind of op it is (the rule templates in `shardproof.relations` are written per
+kind, not per op) and how to run it on real tensors (used by the numeric tests of every rule).
+Adding an op is one entry here plus, if its kind is new, its rule template.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+Impl = Callable[[list[torch.Tensor], tuple[Any, ...]], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    name: str
+    kind: str  # leaf const layout unary binary compare where reduce softmax matmul embedding mask collective
+    impl: Impl | None
+    doc: str
+
+
+def _unary(fn: Callable[[torch.Tensor], torch.Tensor]) -> Impl:
+    return lambda xs, attrs: fn(xs[0])
+
+
+def _binary(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Impl:
+    return lambda xs, attrs: fn(xs[0], xs[1])
+
+
+def _slice(xs: list[torch.Tensor], attrs: tuple) -> torch.Tensor:
+    dim, start, end = attrs
+    return xs[0].narrow(dim, start, end - start)
+
+
+def _reduce(fn: Callable[..., torch.Tensor]) -> Impl:
+    return lambda xs, attrs: fn(xs[0], dim=list(attrs[0]), keepdim=attrs[1])
+
+
+_SPECS = [
+    OpSpec("leaf", "leaf", None, "a graph input: a reference parameter, buffer or model input (attrs: name)"),
+    OpSpec("const", "const", None, "a constant tensor (attrs: values as a nested tuple, or ('full', value))"),
+    OpSpec("view", "layout", lambda xs, a: xs[0].reshape(a[0]), "reshape to attrs[0] (row-major)"),
+    OpSpec("permute", "layout", lambda xs, a: xs[0].permute(a[0]), "permute dims by attrs[0]"),
+    OpSpec("slice", "layout", _slice, "contiguous slice: attrs (dim, start, end)"),
+    OpSpec("cat", "layout", lambda xs, a: torch.cat(xs, a[0]), "concatenate inputs along attrs[0]"),
+    OpSpec("expand", "layout", lambda xs, a: xs[0].expand(a[0]), "broadcast to attrs[0] (same rank)"),
+    OpSpec("convert", "layout", lambda xs, a: xs[0].to(getattr(torch, a[0])), "dtype cast (identity over the reals)"),
+    OpSpec("neg", "unary", _unary(torch.neg), "-x (linear)"),
+    OpSpec("exp", "unary", _unary(torch.exp), "e^x"),
+    OpSpec("log", "unary", _unary(torch.log), "natural log"),
+    OpSpec("sqrt", "unary", _unary(torch.sqrt), "square root"),
+    OpSpec("rsqrt", "unary", _unary(torch.rsqrt), "1/sqrt(x)"),
+    OpSpec("reciprocal", "unary", _unary(torch.reciprocal), "1/x"),
+    OpSpec("relu", "unary", _unary(torch.relu), "max(x, 0)"),
+    OpSpec("silu", "unary", _unary(F.silu), "x*sigmoid(x)"),
+    OpSpec("gelu", "unary", lambda xs, a: F.gelu(xs[0], approximate=a[0]), "GELU (attrs: approximation)"),
+    OpSpec("sigmoid", "unary", _unary(torch.sigmoid), "logistic"),
+    OpSpec("tanh", "unary", _unary(torch.tanh), "tanh"),
+    OpSpec("sin", "unary", _unary(torch.sin), "sin"),
+    OpSpec("cos", "unary", _unary(torch.cos), "cos"),
+    OpSpec("abs", "unary", _unary(torch.abs), "|x|"),
+    OpSpec("pow", "unary", lambda xs, a: xs[0] ** a[0], "x ** attrs[0]"),
+    OpSpec("logical_not", "unary", _unary(torch.logical_not), "boolean not"),
+    OpSpec("add", "binary", _binary(torch.add), "x + y (broadcasting)"),
+    OpSpec("mul", "binary", _binary(torch.mul), "x * y (broadcasting)"),
+    OpSpec("div", "binary", _binary(torch.div), "x / y (broadcasting)"),
+    OpSpec("maximum", "binary", _binary(torch.maximum), "elementwise max"),
+    OpSpec("minimum", "binary", _binary(torch.minimum), "elementwise min"),
+    OpSpec("logical_or", "binary", _binary(torch.logical_or), "boolean or"),
+    OpSpec("logical_and", "binary", _binary(torch.logical_and), "boolean and"),
+    OpSpec("lt", "compare", _binary(torch.lt), "x < y"),
+    OpSpec("le", "compare", _binary(torch.le), "x <= y"),
+    OpSpec("gt", "compare", _binary(torch.gt), "x > y"),
+    OpSpec("ge", "compare", _binary(torch.ge), "x >= y"),
+    OpSpec("eq", "compare", _binary(torch.eq), "x == y"),
+    OpSpec("ne", "compare", _binary(torch.ne), "x != y"),
+    OpSpec("where", "where", lambda xs, a: torch.where(xs[0], xs[1], xs[2]), "cond ? x : y"),
+    OpSpec("sum", "reduce", _reduce(torch.sum), "sum over dims attrs[0], keepdim attrs[1] (linear)"),
+    OpSpec("amax", "reduce", _reduce(torch.amax), "max over dims attrs[0], keepdim attrs[1]"),
+    OpSpec("softmax", "softmax", lambda xs, a: torch.softmax(xs[0], a[0]), "softmax over attrs[0]"),
+    OpSpec("log_softmax", "softmax", lambda xs, a: torch.log_softmax(xs[0], a[0]), "log-softmax over attrs[0]"),
+    OpSpec("matmul", "matmul", _binary(torch.matmul), "torch.matmul: batch dims broadcast, contracts last of x with -2 of y"),
+    OpSpec("embedding", "embedding", lambda xs, a: F.embedding(xs[1], xs[0]), "rows of weight xs[0] at ids xs[1]"),
+    OpSpec("triu", "mask", lambda xs, a: torch.triu(xs[0], a[0]), "upper triangle from diagonal attrs[0]"),
+    OpSpec("tril", "mask", lambda xs, a: torch.tril(xs[0], a[0]), "lower triangle from diagonal attrs[0]"),
+    OpSpec("index_put", "where", None, "x with positions where mask is true set to value: lowered to where"),
+    OpSpec("all_reduce", "collective", None, "sum (attrs[0]='sum') or mean over the group attrs[1]"),
+    OpSpec("all_gather", "collective", None, "concatenate every rank's tensor along attrs[0] over group attrs[1]"),
+    OpSpec("reduce_scatter", "collective", None, "sum over ranks, this rank keeps chunk rank of dim attrs[0]"),
+]
+
+OPS: dict[str, OpSpec] = {spec.name: spec for spec in _SPECS}
+
+
+def run_op(op: str, inputs: list[torch.Tensor], attrs: tuple[Any, ...]) -> torch.Tensor:
+    """Execute one IR op on real tensors (numeric tests of rules)."""
+    spec = OPS[op]
+    if spec.impl is None:
+        raise ValueError(f"op `{op}` has no single-device implementation")
+    return spec.impl(inputs, attrs)
