@@ -12,6 +12,7 @@ dtype of the activations, so no buffers need sharding and fake tensors allocate 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -69,7 +70,7 @@ class RMSNorm(nn.Module):
 def rotary_tables(config: LlamaConfig, seq: int, dtype: torch.dtype, device: torch.device):
     """cos, sin of shape (seq, head_dim), the rotate-half (HF/Llama) layout."""
     exponents = torch.arange(0, config.head_dim, 2, dtype=dtype, device=device) / config.head_dim
-    inv_freq = 1.0 / (config.rope_theta**exponents)
+    inv_freq = torch.exp(exponents * -math.log(config.rope_theta))  # = 1 / theta**exponents
     positions = torch.arange(seq, dtype=dtype, device=device)
     freqs = torch.outer(positions, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
