@@ -30,6 +30,9 @@ def rank_state(
         unknown = sorted(set(local) - set(wanted))
         if unknown:
             raise CaseError(f"shard_state returned names the distributed model does not have: {unknown[:5]}")
+        missing = sorted(set(wanted) - set(local))
+        if missing:
+            raise CaseError(f"shard_state did not return these tensors of the distributed model: {missing[:5]}")
     else:
         local = {name: _infer_shard(name, held, ref_state, rank, world_size) for name, held in wanted.items()}
     return {name: _as_model_holds(tensor, wanted[name]) for name, tensor in local.items()}

@@ -370,7 +370,33 @@ def _softmax(op: str) -> Callable[..., int]:
 
 
 def _mm(lo: Lowerer, a, b) -> int:
-    return lo.emit("matmul", (lo.tensor(a), lo.tensor(b)))
+    """mm/bmm; undoes aten's flattening of batch dims so batch slices stay visible."""
+    va, vb = lo.tensor(a), lo.tensor(b)
+    out_shape = tuple(lo.current.meta["val"].shape)
+    src_a, src_b = _flattened_source(lo, va), _flattened_source(lo, vb)
+    if len(out_shape) == 2 and src_a is not None and len(lo.shape(vb)) == 2:
+        batch = lo.shape(src_a)[:-1]
+        inner = lo.emit("matmul", (src_a, vb), (), batch + out_shape[-1:])
+        return lo.emit("view", (inner,), (out_shape,))
+    if len(out_shape) == 3 and src_a is not None and src_b is not None:
+        batch_a, batch_b = lo.shape(src_a)[:-2], lo.shape(src_b)[:-2]
+        if batch_a == batch_b and lo.shape(src_a)[-2:] == lo.shape(va)[-2:] and lo.shape(src_b)[-2:] == lo.shape(vb)[-2:]:
+            inner = lo.emit("matmul", (src_a, src_b), (), batch_a + out_shape[-2:])
+            return lo.emit("view", (inner,), (out_shape,))
+    return lo.emit("matmul", (va, vb))
+
+
+def _flattened_source(lo: Lowerer, value: int) -> int | None:
+    """The tensor a `view` flattened leading dims of, keeping the trailing matrix dims."""
+    node = lo.graph[value]
+    if node.op != "view":
+        return None
+    src = node.inputs[0]
+    src_shape = lo.shape(src)
+    keep = 1 if len(node.shape) == 2 else 2
+    if len(src_shape) <= len(node.shape) or src_shape[-keep:] != node.shape[-keep:]:
+        return None
+    return src
 
 
 def _addmm(lo: Lowerer, bias, a, b, beta=1, alpha=1) -> int:

@@ -1,0 +1,112 @@
+"""Run the reference graph and all rank graphs symbolically into one universe of terms.
+
+Ranks run in lock-step: each advances to its next collective, then the collective is resolved
+for its whole group at once with its exact meaning (all_reduce = sum of the group's terms,
+all_gather = concatenation in group order, reduce_scatter = this rank's chunk of the sum).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+
+from shardproof.ir.graph import Graph, Node
+from shardproof.ir.ops import OPS
+from shardproof.relations.rules import Rules
+
+
+class CollectiveMismatch(Exception):
+    """Ranks issue different collective sequences: a real program would hang or mix tensors."""
+
+    def __init__(self, message: str, nodes: list[tuple[int, Node]]):
+        super().__init__(message)
+        self.nodes = nodes
+
+
+@dataclass
+class Execution:
+    rules: Rules
+    reference: list[int]  # term of each reference node
+    ranks: list[list[int]]  # term of each node, per rank
+
+
+def execute(reference: Graph, ranks: list[Graph], rules: Rules | None = None) -> Execution:
+    rules = rules or Rules()
+    ref_terms = _run_local(rules, reference, [], 0, len(reference.nodes))
+    rank_terms: list[list[int]] = [[] for _ in ranks]
+    cursors = [0] * len(ranks)
+    while True:
+        for r, graph in enumerate(ranks):
+            stop = _next_collective(graph, cursors[r])
+            rank_terms[r] = _run_local(rules, graph, rank_terms[r], cursors[r], stop)
+            cursors[r] = stop
+        pending = [r for r, g in enumerate(ranks) if cursors[r] < len(g.nodes)]
+        if not pending:
+            return Execution(rules, ref_terms, rank_terms)
+        _resolve(rules, ranks, rank_terms, cursors, pending)
+
+
+def _next_collective(graph: Graph, start: int) -> int:
+    for i in range(start, len(graph.nodes)):
+        if OPS[graph.nodes[i].op].kind == "collective":
+            return i
+    return len(graph.nodes)
+
+
+def _run_local(rules: Rules, graph: Graph, terms: list[int], start: int, stop: int) -> list[int]:
+    for node in graph.nodes[start:stop]:
+        terms.append(term_of(rules, node, terms, graph.rank))
+    return terms
+
+
+def term_of(rules: Rules, node: Node, terms: list[int], rank: int | None) -> int:
+    if node.op == "leaf":
+        return rules.leaf(node.attrs[0], node.shape, node.dtype)
+    if node.op == "const":
+        spec = node.attrs[0]
+        if spec[0] == "empty":  # contents never read: unique, so it can match nothing
+            return rules.literal("empty", (), (rank, node.id), node.shape, node.dtype)
+        return rules.const(spec, node.shape, node.dtype)
+    args = tuple(terms[i] for i in node.inputs)
+    return rules.build(node.op, args, node.attrs, node.shape, node.dtype)
+
+
+def _resolve(rules: Rules, ranks: list[Graph], terms: list[list[int]], cursors: list[int], pending: list[int]) -> None:
+    first = pending[0]
+    node = ranks[first].nodes[cursors[first]]
+    group = _group_of(node)
+    members = [(r, ranks[r].nodes[cursors[r]] if cursors[r] < len(ranks[r].nodes) else None) for r in group]
+    mismatched = [(r, n) for r, n in members if n is None or n.op != node.op or _group_of(n) != group]
+    if any(r >= len(ranks) for r in group) or mismatched:
+        raise CollectiveMismatch(
+            f"rank {first} calls {node.op} over ranks {list(group)} but "
+            + ", ".join(f"rank {r} {'has finished' if n is None else 'calls ' + n.op}" for r, n in mismatched),
+            [(first, node)] + [(r, n) for r, n in mismatched if n is not None],
+        )
+    inputs = [terms[r][ranks[r].nodes[cursors[r]].inputs[0]] for r in group]
+    for position, r in enumerate(group):
+        local = ranks[r].nodes[cursors[r]]
+        terms[r].append(_collective(rules, local, inputs, position))
+        cursors[r] += 1
+
+
+def _group_of(node: Node) -> tuple[int, ...]:
+    return tuple(node.attrs[-1])
+
+
+def _collective(rules: Rules, node: Node, inputs: list[int], position: int) -> int:
+    n = len(inputs)
+    if node.op == "all_gather":
+        return rules.cat(inputs, node.attrs[0])
+    reduce_op = node.attrs[0] if node.op == "all_reduce" else node.attrs[1]
+    if reduce_op not in ("sum", "mean"):
+        return rules.literal(f"all_reduce_{reduce_op}", tuple(inputs), (), node.shape, node.dtype)
+    weight = Fraction(1, n) if reduce_op == "mean" else Fraction(1)
+    total = rules.lin([(t, weight) for t in inputs])
+    if node.op == "all_reduce":
+        return total
+    dim = node.attrs[0]
+    size = node.shape[dim]
+    shape = rules.shape(total)
+    box = tuple((position * size, (position + 1) * size) if d == dim else (0, s) for d, s in enumerate(shape))
+    return rules.slice(total, box)

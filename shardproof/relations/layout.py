@@ -1,0 +1,116 @@
+"""Layout algebra on boxes (per-dimension [lo, hi) ranges): how slices move through reshapes.
+
+Pure functions on shapes and integers; the rules in `rules.py` use them to pull a slice out of a
+view, so that a rank's `view(slice(Q, heads r), ...)` and the reference's `view(Q, ...)` meet.
+"""
+
+from __future__ import annotations
+
+import math
+
+Box = tuple[tuple[int, int], ...]
+
+
+def full_box(shape: tuple[int, ...]) -> Box:
+    return tuple((0, s) for s in shape)
+
+
+def box_shape(box: Box) -> tuple[int, ...]:
+    return tuple(hi - lo for lo, hi in box)
+
+
+def compose(outer: Box, inner: Box) -> Box:
+    """Box `inner` taken inside the region `outer` (both over the same dims)."""
+    return tuple((o_lo + i_lo, o_lo + i_hi) for (o_lo, _), (i_lo, i_hi) in zip(outer, inner))
+
+
+def reshape_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[int], list[int]]] | None:
+    """Split a reshape into independent groups of source dims and destination dims of equal size."""
+    groups: list[tuple[list[int], list[int]]] = []
+    i = j = 0
+    while i < len(src) or j < len(dst):
+        if i < len(src) and src[i] == 1:
+            groups.append(([i], []))
+            i += 1
+            continue
+        if j < len(dst) and dst[j] == 1:
+            groups.append(([], [j]))
+            j += 1
+            continue
+        gi, gj, pa, pb = [], [], 1, 1
+        while True:
+            if (not gi or pa < pb) and i < len(src):
+                pa *= src[i]
+                gi.append(i)
+                i += 1
+            elif j < len(dst) and (not gj or pb < pa):
+                pb *= dst[j]
+                gj.append(j)
+                j += 1
+            else:
+                break
+            if pa == pb and gi and gj:
+                break
+        if pa != pb:
+            return None
+        groups.append((gi, gj))
+    return groups
+
+
+def view_of_box(
+    global_src: tuple[int, ...], box: Box, local_dst: tuple[int, ...]
+) -> tuple[tuple[int, ...], Box] | None:
+    """If `view(X[box], local_dst)` equals `view(X, G)[B]` for some G and B, return (G, B).
+
+    Works when, in every reshape group, only the outermost source dim is restricted and the
+    restriction is aligned to the sizes of the inner destination dims of that group. A restricted
+    size-1 source dim (one selected row) moves to a size-1 destination dim, and a size-1
+    destination dim right before a restricted group takes the restriction as the outer factor
+    of a split (so `(s, 4) -> (s, 1, 4)` of columns [36:40) is head 9 of `(s, 12, 4)`).
+    """
+    local_src = box_shape(box)
+    groups = reshape_groups(local_src, local_dst)
+    if groups is None:
+        return None
+    out_shape = list(local_dst)
+    out_box = [(0, s) for s in local_dst]
+    free_ones: list[int] = []  # size-1 destination dims not yet given a restriction
+    pending_rows: list[int] = []  # restricted size-1 source dims waiting for a destination
+    for gi, gj in groups:
+        if not gi:
+            if pending_rows:
+                d = pending_rows.pop(0)
+                out_shape[gj[0]], out_box[gj[0]] = global_src[d], box[d]
+            else:
+                free_ones.append(gj[0])
+            continue
+        restricted = [d for d in gi if box[d] != (0, global_src[d])]
+        if not gj:
+            if restricted:
+                pending_rows.append(gi[0])
+            continue
+        if pending_rows:
+            return None
+        if not restricted:
+            free_ones.clear()
+            continue
+        if restricted != [gi[0]]:
+            return None
+        d = gi[0]
+        inner_src = math.prod(local_src[k] for k in gi[1:])
+        lo, hi, size = box[d][0] * inner_src, box[d][1] * inner_src, global_src[d] * inner_src
+        block = math.prod(local_dst[k] for k in gj)
+        if free_ones and hi - lo == block and lo % block == 0 and size % block == 0:
+            one = free_ones[-1]
+            out_shape[one], out_box[one] = size // block, (lo // block, hi // block)
+            free_ones.clear()
+            continue
+        free_ones.clear()
+        inner_dst = math.prod(local_dst[k] for k in gj[1:])
+        if lo % inner_dst or hi % inner_dst or size % inner_dst:
+            return None
+        out_shape[gj[0]] = size // inner_dst
+        out_box[gj[0]] = (lo // inner_dst, hi // inner_dst)
+    if pending_rows:
+        return None
+    return tuple(out_shape), tuple(out_box)

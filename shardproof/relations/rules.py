@@ -1,0 +1,788 @@
+"""Normalizing term constructors: the rewrite rules, applied bottom-up as terms are built.
+
+Normal form, outermost first: `lin` (linear combinations: sums, scaling, subtraction), `piece`
+(one part of a sum that was split over ranks: a contraction or reduction over a sharded axis,
+or a masked vocab-parallel lookup), `slice` (a box of a larger tensor), `cat`, `bcast`
+(broadcasting), then compute ops. Rules pull slices, concatenations and broadcasts out of ops
+(elementwise ops commute with them, matmul maps them onto its free dims, a contraction over a
+sliced axis becomes a piece), so a rank's value is expressed as a region of the very term the
+reference computes. Rule templates are per op kind (see `shardproof.ir.ops.OPS`), not per op.
+Every rule is an equality over the reals; each has a numeric test in tests/relations.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from typing import Any, Callable
+
+from shardproof.ir.ops import OPS
+from shardproof.relations.layout import Box, box_shape, compose, full_box, reshape_groups, view_of_box
+from shardproof.relations.universe import Universe
+
+FLOAT_DTYPES = {"float16", "bfloat16", "float32", "float64"}
+
+
+class Rules:
+    """Builds terms in normal form inside one Universe."""
+
+    def __init__(self, universe: Universe | None = None) -> None:
+        self.u = universe or Universe()
+
+    # --- entry point for IR ops -------------------------------------------------------------------
+    def build(self, op: str, args: tuple[int, ...], attrs: tuple, shape: tuple[int, ...], dtype: str) -> int:
+        """The normal-form term of IR op `op` applied to terms `args`."""
+        special = _BY_OP.get(op)
+        if special is not None:
+            return special(self, args, attrs, shape, dtype)
+        kind = OPS[op].kind
+        return _BY_KIND[kind](self, op, args, attrs, shape, dtype)
+
+    def shape(self, t: int) -> tuple[int, ...]:
+        return self.u[t].shape
+
+    def op(self, t: int) -> str:
+        return self.u[t].op
+
+    def literal(self, op: str, args: tuple[int, ...], attrs: tuple, shape: tuple[int, ...], dtype: str) -> int:
+        return self.u.intern(op, args, attrs, shape, dtype)
+
+    # --- leaves and constants ---------------------------------------------------------------------
+    def leaf(self, name: str, shape: tuple[int, ...], dtype: str) -> int:
+        return self.literal("leaf", (), (name,), shape, dtype)
+
+    def const(self, spec: tuple, shape: tuple[int, ...], dtype: str) -> int:
+        if spec[0] == "values" and len(set(spec[1])) == 1:
+            spec = ("full", spec[1][0])
+        if spec[0] == "full" and isinstance(spec[1], bool) is False and dtype in FLOAT_DTYPES:
+            spec = ("full", float(spec[1]))
+        return self.literal("full" if spec[0] == "full" else "const", (), spec[1:] if spec[0] == "full" else spec, shape, dtype)
+
+    def full_value(self, t: int) -> Any | None:
+        """The fill value if `t` is a constant filled with one value (possibly broadcast)."""
+        term = self.u[t]
+        if term.op == "full":
+            return term.attrs[0]
+        if term.op == "bcast":
+            return self.full_value(term.args[0])
+        return None
+
+    # --- layout ---------------------------------------------------------------------------------
+    def slice(self, x: int, box: Box) -> int:
+        term = self.u[x]
+        if box == full_box(term.shape):
+            return x
+        shape = box_shape(box)
+        if term.op == "slice":
+            return self.slice(term.args[0], compose(term.attrs[0], box))
+        if term.op in ("lin", "piece"):
+            return self._map_linear(x, lambda t: self.slice(t, box), shape)
+        if term.op == "full":
+            return self.literal("full", (), term.attrs, shape, term.dtype)
+        if term.op == "bcast":
+            dims = term.attrs[0]
+            inner = self.slice(term.args[0], tuple(box[d] for d in dims))
+            return self.bcast(inner, shape, dims)
+        if term.op == "cat":
+            return self._slice_cat(x, box)
+        if term.op == "repeat":
+            moved = self._slice_repeat(x, box)
+            if moved is not None:
+                return moved
+        return self.literal("slice", (x,), (box,), shape, term.dtype)
+
+    def _slice_cat(self, x: int, box: Box) -> int:
+        term = self.u[x]
+        dim = term.attrs[0]
+        lo, hi = box[dim]
+        parts, offset = [], 0
+        for part in term.args:
+            size = self.shape(part)[dim]
+            a, b = max(lo, offset), min(hi, offset + size)
+            if a < b:
+                part_box = tuple((a - offset, b - offset) if d == dim else r for d, r in enumerate(box))
+                parts.append(self.slice(part, part_box))
+            offset += size
+        return self.cat(parts, dim)
+
+    def cat(self, parts: list[int], dim: int) -> int:
+        flat: list[int] = []
+        for p in parts:
+            term = self.u[p]
+            if term.op == "cat" and term.attrs[0] == dim:
+                flat.extend(term.args)
+            elif term.shape[dim] > 0:
+                flat.append(p)
+        merged: list[int] = []
+        for p in flat:
+            if merged:
+                joined = self._join(merged[-1], p, dim)
+                if joined is not None:
+                    merged[-1] = joined
+                    continue
+            merged.append(p)
+        if len(merged) == 1:
+            return merged[0]
+        pulled = self._pull_box_from_cat(merged, dim)
+        if pulled is not None:
+            return pulled
+        shape = list(self.shape(merged[0]))
+        shape[dim] = sum(self.shape(p)[dim] for p in merged)
+        return self.literal("cat", tuple(merged), (dim,), tuple(shape), self.u[merged[0]].dtype)
+
+    def _join(self, a: int, b: int, dim: int) -> int | None:
+        """Two adjacent regions of one tensor are one region."""
+        ra, ba = self.as_region(a)
+        rb, bb = self.as_region(b)
+        if ra != rb:
+            return None
+        same_elsewhere = all(ba[d] == bb[d] for d in range(len(ba)) if d != dim)
+        if not same_elsewhere or ba[dim][1] != bb[dim][0]:
+            return None
+        box = tuple((ba[dim][0], bb[dim][1]) if d == dim else ba[d] for d in range(len(ba)))
+        return self.slice(ra, box)
+
+    def _pull_box_from_cat(self, parts: list[int], dim: int) -> int | None:
+        """cat(X1[box], X2[box]) = cat(X1, X2)[box] when the box leaves the cat dim whole."""
+        box = self.find_box(parts[0])
+        if box is None:
+            return None
+        box = tuple((0, self.shape(parts[0])[dim]) if d == dim else r for d, r in enumerate(box))
+        root = self.u[self.root_of(parts[0])].shape
+        outer = tuple(r for d, r in enumerate(box) if d != dim)
+        if outer == tuple((0, s) for d, s in enumerate(root) if d != dim):
+            return None
+        unsliced = []
+        for p in parts:
+            p_box = tuple((0, self.shape(p)[dim]) if d == dim else r for d, r in enumerate(box))
+            g = tuple(self.shape(p)[dim] if d == dim else s for d, s in enumerate(root))
+            x = self.unslice(p, p_box, g)
+            if x is None:
+                return None
+            unsliced.append(x)
+        whole = self.cat(unsliced, dim)
+        total = self.shape(whole)[dim]
+        return self.slice(whole, tuple((0, total) if d == dim else r for d, r in enumerate(box)))
+
+    def as_slice(self, t: int) -> tuple[int, Box]:
+        term = self.u[t]
+        if term.op == "slice":
+            return term.args[0], term.attrs[0]
+        return t, full_box(term.shape)
+
+    def as_region(self, t: int) -> tuple[int, Box]:
+        """(X, box) with X[box] == t, looking through lin/piece; (t, full box) if none shows."""
+        box = self.find_box(t)
+        if box is not None:
+            whole = self.unslice(t, box, self.shape(self.root_of(t)))
+            if whole is not None:
+                return whole, box
+        return t, full_box(self.shape(t))
+
+    def root_of(self, t: int) -> int:
+        term = self.u[t]
+        if term.op == "slice":
+            return term.args[0]
+        if term.op in ("lin", "piece") and term.args:
+            return self.root_of(term.args[0])
+        return t
+
+    def find_box(self, t: int) -> Box | None:
+        """The box of the first slice found at the top of `t` (through lin and piece)."""
+        term = self.u[t]
+        if term.op == "slice":
+            return term.attrs[0]
+        if term.op in ("lin", "piece"):
+            for a in term.args:
+                found = self.find_box(a)
+                if found is not None:
+                    return found
+        return None
+
+    def unslice(self, t: int, box: Box, global_shape: tuple[int, ...]) -> int | None:
+        """A term X of `global_shape` with X[box] == t, if the normal form shows one."""
+        if box == full_box(global_shape):
+            return t if self.shape(t) == tuple(global_shape) else None
+        term = self.u[t]
+        if term.op == "slice":
+            inner = term.args[0]
+            return inner if term.attrs[0] == box and self.shape(inner) == tuple(global_shape) else None
+        if term.op == "lin":
+            parts = [self.unslice(a, box, global_shape) for a in term.args]
+            return None if None in parts else self.lin(list(zip(parts, term.attrs[0])))
+        if term.op == "piece":
+            inner = self.unslice(term.args[0], box, global_shape)
+            return None if inner is None else self.piece(inner, *term.attrs)
+        if term.op == "full":
+            return self.literal("full", (), term.attrs, tuple(global_shape), term.dtype)
+        if term.op == "bcast":
+            return self._unslice_bcast(t, box, tuple(global_shape))
+        if term.op == "repeat":
+            dim, times = term.attrs
+            if box[dim][0] % times or box[dim][1] % times or global_shape[dim] % times:
+                return None
+            inner_box = tuple((lo // times, hi // times) if d == dim else (lo, hi) for d, (lo, hi) in enumerate(box))
+            inner_shape = tuple(s // times if d == dim else s for d, s in enumerate(global_shape))
+            inner = self.unslice(term.args[0], inner_box, inner_shape)
+            return None if inner is None else self.repeat(inner, dim, times)
+        return None
+
+    def _unslice_bcast(self, t: int, box: Box, global_shape: tuple[int, ...]) -> int | None:
+        term = self.u[t]
+        dims = term.attrs[0]
+        cut = [d for d in range(len(box)) if d not in dims and box[d] != (0, global_shape[d])]
+        if not cut:
+            inner = self.unslice(term.args[0], tuple(box[d] for d in dims), tuple(global_shape[d] for d in dims))
+            return None if inner is None else self.bcast(inner, global_shape, dims)
+        if len(cut) != 1:
+            return None
+        return self._unslice_block(t, box, global_shape, cut[0])
+
+    def _unslice_block(self, t: int, box: Box, global_shape: tuple[int, ...], dim: int) -> int | None:
+        """One row of K broadcast along `dim` is a slice of K repeated: the GQA layout where
+        several query heads (and ranks) share one kv head. Which K (how many rows it has) is
+        not visible locally; among the candidates take the one the reference already built."""
+        term = self.u[t]
+        squeezed = self.u[term.args[0]]
+        if squeezed.op != "view":
+            return None
+        row = self.u[squeezed.args[0]]
+        if len(row.shape) != len(global_shape) or row.shape[dim] != 1:
+            return None
+        source, row_box = self.as_slice(squeezed.args[0])
+        if source == squeezed.args[0]:
+            return None
+        j = row_box[dim][0]
+        lo, hi = box[dim]
+        before = len(self.u)
+        for times in range(hi - lo, global_shape[dim] + 1):
+            if global_shape[dim] % times or lo // times != (hi - 1) // times:
+                continue
+            rows = global_shape[dim] // times
+            start = j - lo // times
+            if start < 0 or start + rows > self.shape(source)[dim]:
+                continue
+            k_box = tuple((start, start + rows) if d == dim else r for d, r in enumerate(row_box))
+            keys = self.slice(source, k_box)
+            outer_box = tuple((0, rows) if d == dim else r for d, r in enumerate(box))
+            outer_shape = tuple(rows if d == dim else s for d, s in enumerate(global_shape))
+            inner = self.unslice(keys, outer_box, outer_shape)
+            if inner is not None:
+                candidate = self.repeat(inner, dim, times)
+                if candidate < before:
+                    return candidate
+        return None
+
+    def view(self, x: int, shape: tuple[int, ...]) -> int:
+        term = self.u[x]
+        shape = tuple(shape)
+        if term.shape == shape:
+            return x
+        if term.op == "view":
+            return self.view(term.args[0], shape)
+        if term.op in ("lin", "piece"):
+            return self._map_linear(x, lambda t: self.view(t, shape), shape)
+        if term.op == "full":
+            return self.literal("full", (), term.attrs, shape, term.dtype)
+        if term.op == "bcast":
+            moved = self._view_bcast(x, shape)
+            if moved is not None:
+                return moved
+        if term.op == "slice":
+            mapped = view_of_box(self.shape(term.args[0]), term.attrs[0], shape)
+            if mapped is not None:
+                global_shape, box = mapped
+                return self.slice(self.view(term.args[0], global_shape), box)
+        if _squeezed(term.shape) == _squeezed(shape):
+            base = x if 1 not in term.shape else self.literal("view", (x,), (), _squeezed(shape), term.dtype)
+            return self.bcast(base, shape, tuple(d for d, s in enumerate(shape) if s != 1))
+        return self.literal("view", (x,), (), shape, term.dtype)
+
+    def _view_bcast(self, x: int, shape: tuple[int, ...]) -> int | None:
+        """Reshape a broadcast: groups of kept dims reshape the base; a kept dim merged with
+        broadcast dims after it is a repeat (repeat_interleave, as in GQA's repeat_kv)."""
+        term = self.u[x]
+        kept = set(term.attrs[0])
+        groups = reshape_groups(term.shape, shape)
+        if groups is None:
+            return None
+        dims: list[int] = []
+        base_shape: list[int] = []
+        repeats: list[tuple[int, int]] = []
+        for gi, gj in groups:
+            real_src = [d for d in gi if term.shape[d] != 1]
+            real_dst = [d for d in gj if shape[d] != 1]
+            mine = [d for d in real_src if d in kept]
+            if not mine:
+                continue
+            if mine == real_src:
+                dims.extend(real_dst)
+                base_shape.extend(shape[d] for d in real_dst)
+            elif mine == real_src[:1] and len(real_dst) == 1:
+                times = math.prod(term.shape[d] for d in real_src[1:])
+                dims.append(real_dst[0])
+                base_shape.append(term.shape[mine[0]])
+                repeats.append((real_dst[0], times))
+            else:
+                return None
+        base = self.view(term.args[0], tuple(base_shape))
+        inner_shape = list(shape)
+        for d, times in repeats:
+            inner_shape[d] //= times
+        out = self.bcast(base, tuple(inner_shape), tuple(dims))
+        for d, times in repeats:
+            out = self.repeat(out, d, times)
+        return out
+
+    def repeat(self, x: int, dim: int, times: int) -> int:
+        """Each element along `dim` repeated `times` times in a row (repeat_interleave)."""
+        term = self.u[x]
+        if times == 1:
+            return x
+        shape = tuple(s * times if d == dim else s for d, s in enumerate(term.shape))
+        if term.op in ("lin", "piece"):
+            return self._map_linear(x, lambda t: self.repeat(t, dim, times), shape)
+        if term.op == "full":
+            return self.literal("full", (), term.attrs, shape, term.dtype)
+        if term.shape[dim] == 1:
+            return self.expand(x, shape)
+        return self.literal("repeat", (x,), (dim, times), shape, term.dtype)
+
+    def _slice_repeat(self, x: int, box: Box) -> int | None:
+        term = self.u[x]
+        dim, times = term.attrs
+        lo, hi = box[dim]
+        inner = term.args[0]
+        if lo % times == 0 and hi % times == 0:
+            inner_box = tuple((lo // times, hi // times) if d == dim else r for d, r in enumerate(box))
+            return self.repeat(self.slice(inner, inner_box), dim, times)
+        if lo // times == (hi - 1) // times:
+            one = tuple((lo // times, lo // times + 1) if d == dim else r for d, r in enumerate(box))
+            return self.expand(self.slice(inner, one), box_shape(box))
+        return None
+
+    def bcast(self, base: int, shape: tuple[int, ...], dims: tuple[int, ...]) -> int:
+        """`base` placed at `dims` of `shape` and repeated along the other dims."""
+        term = self.u[base]
+        shape = tuple(shape)
+        if term.op == "bcast":
+            inner_dims = tuple(dims[d] for d in term.attrs[0])
+            return self.bcast(term.args[0], shape, inner_dims)
+        if term.op == "full":
+            return self.literal("full", (), term.attrs, shape, term.dtype)
+        if 1 in term.shape:
+            keep = [i for i, s in enumerate(term.shape) if s != 1]
+            squeezed = self.literal("view", (base,), (), tuple(term.shape[i] for i in keep), term.dtype)
+            return self.bcast(squeezed, shape, tuple(dims[i] for i in keep))
+        if tuple(dims) == tuple(range(len(shape))):
+            return base
+        return self.literal("bcast", (base,), (tuple(dims),), shape, term.dtype)
+
+    def expand(self, x: int, shape: tuple[int, ...]) -> int:
+        have = self.shape(x)
+        dims = tuple(d for d, s in enumerate(have) if s != 1 or shape[d] == 1)
+        base = self.view(x, tuple(have[d] for d in dims)) if len(dims) != len(have) else x
+        return self.bcast(base, shape, dims) if tuple(shape) != have else x
+
+    def permute(self, x: int, perm: tuple[int, ...]) -> int:
+        term = self.u[x]
+        if perm == tuple(range(len(perm))):
+            return x
+        shape = tuple(term.shape[p] for p in perm)
+        if term.op == "permute":
+            return self.permute(term.args[0], tuple(term.attrs[0][p] for p in perm))
+        if term.op in ("lin", "piece"):
+            return self._map_linear(x, lambda t: self.permute(t, perm), shape)
+        if term.op == "full":
+            return self.literal("full", (), term.attrs, shape, term.dtype)
+        if term.op == "slice":
+            box = term.attrs[0]
+            return self.slice(self.permute(term.args[0], perm), tuple(box[p] for p in perm))
+        if term.op == "cat":
+            return self.cat([self.permute(a, perm) for a in term.args], perm.index(term.attrs[0]))
+        if term.op == "repeat":
+            return self.repeat(self.permute(term.args[0], perm), perm.index(term.attrs[0]), term.attrs[1])
+        if term.op == "bcast":
+            dims = term.attrs[0]
+            new_pos = [perm.index(d) for d in dims]
+            order = sorted(range(len(dims)), key=lambda i: new_pos[i])
+            base = self.permute(term.args[0], tuple(order))
+            return self.bcast(base, shape, tuple(sorted(new_pos)))
+        return self.literal("permute", (x,), (tuple(perm),), shape, term.dtype)
+
+    # --- linear structure --------------------------------------------------------------------------
+    def lin(self, pairs: list[tuple[int, Fraction]]) -> int:
+        coefs: dict[int, Fraction] = {}
+        for t, c in pairs:
+            term = self.u[t]
+            if term.op == "lin":
+                for inner, ic in zip(term.args, term.attrs[0]):
+                    coefs[inner] = coefs.get(inner, Fraction(0)) + Fraction(c) * ic
+            else:
+                coefs[t] = coefs.get(t, Fraction(0)) + Fraction(c)
+        coefs = self._merge_pieces({t: c for t, c in coefs.items() if c != 0})
+        items = sorted(coefs.items())
+        if not items:
+            first = pairs[0][0]
+            return self.literal("full", (), (0.0,), self.shape(first), self.u[first].dtype)
+        if len(items) == 1 and items[0][1] == 1:
+            return items[0][0]
+        first = self.u[items[0][0]]
+        return self.literal("lin", tuple(t for t, _ in items), (tuple(c for _, c in items),), first.shape, first.dtype)
+
+    def _merge_pieces(self, coefs: dict[int, Fraction]) -> dict[int, Fraction]:
+        """Pieces of one sum whose ranges tile the whole axis add up to the sum itself."""
+        groups: dict[tuple, list[tuple[int, int, int]]] = {}
+        for t, c in coefs.items():
+            term = self.u[t]
+            if term.op == "piece":
+                axis, lo, hi, size = term.attrs
+                groups.setdefault((term.args[0], axis, size, c), []).append((lo, hi, t))
+        for (full, axis, size, c), ranges in groups.items():
+            ranges.sort()
+            runs: list[list[tuple[int, int, int]]] = [[ranges[0]]]
+            for r in ranges[1:]:
+                if r[0] == runs[-1][-1][1]:
+                    runs[-1].append(r)
+                else:
+                    runs.append([r])
+            for run in runs:
+                if len(run) < 2:
+                    continue
+                for _, _, t in run:
+                    del coefs[t]
+                merged = self.piece(full, axis, run[0][0], run[-1][1], size)
+                coefs[merged] = coefs.get(merged, Fraction(0)) + c
+        return coefs
+
+    def piece(self, full: int, axis: Any, lo: int, hi: int, size: int) -> int:
+        """The part of the sum `full` whose summation index along `axis` lies in [lo, hi)."""
+        if (lo, hi) == (0, size):
+            return full
+        term = self.u[full]
+        return self.literal("piece", (full,), (axis, lo, hi, size), term.shape, term.dtype)
+
+    def _map_linear(self, x: int, f: Callable[[int], int], shape: tuple[int, ...]) -> int:
+        """Apply a linear map through `lin` and `piece`."""
+        term = self.u[x]
+        if term.op == "lin":
+            return self.lin([(f(t), c) for t, c in zip(term.args, term.attrs[0])])
+        axis, lo, hi, size = term.attrs
+        return self.piece(f(term.args[0]), axis, lo, hi, size)
+
+    def scale(self, x: int, factor: Any) -> int:
+        return self.lin([(x, Fraction(factor))])
+
+
+def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(s for s in shape if s != 1)
+
+
+def _is_finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# --- rule templates per op kind ---------------------------------------------------------------------
+def _elementwise(r: Rules, op: str, args: tuple[int, ...], attrs: tuple, shape: tuple[int, ...], dtype: str) -> int:
+    """Elementwise ops commute with slices, concatenation and broadcasting of all their operands."""
+    for a in args:
+        root, box = r.as_region(a)
+        if root == a:
+            continue
+        global_shape = r.shape(root)
+        roots = [r.unslice(b, box, global_shape) for b in args]
+        if None not in roots:
+            return r.slice(r.build(op, tuple(roots), attrs, global_shape, dtype), box)
+    for a in args:
+        term = r.u[a]
+        if term.op == "cat":
+            dim, bounds = term.attrs[0], _cat_bounds(r, a)
+            parts = []
+            for lo, hi in bounds:
+                box = tuple((lo, hi) if d == dim else (0, s) for d, s in enumerate(shape))
+                sub = tuple(r.slice(b, box) for b in args)
+                parts.append(r.build(op, sub, attrs, box_shape(box), dtype))
+            return r.cat(parts, dim)
+    bases = [r.u[a] for a in args]
+    if bases and all(b.op == "bcast" for b in bases) and len({b.attrs[0] for b in bases}) == 1:
+        dims = bases[0].attrs[0]
+        inner = r.build(op, tuple(b.args[0] for b in bases), attrs, tuple(shape[d] for d in dims), dtype)
+        return r.bcast(inner, shape, dims)
+    return r.literal(op, args, attrs, shape, dtype)
+
+
+def _cat_bounds(r: Rules, t: int) -> list[tuple[int, int]]:
+    term = r.u[t]
+    dim, out, offset = term.attrs[0], [], 0
+    for part in term.args:
+        size = r.shape(part)[dim]
+        out.append((offset, offset + size))
+        offset += size
+    return out
+
+
+def _unary(r: Rules, op: str, args, attrs, shape, dtype) -> int:
+    if op == "neg":
+        return r.scale(args[0], -1)
+    return _elementwise(r, op, args, attrs, shape, dtype)
+
+
+def _add(r: Rules, args, attrs, shape, dtype) -> int:
+    return r.lin([(args[0], Fraction(1)), (args[1], Fraction(1))])
+
+
+def _mul(r: Rules, args, attrs, shape, dtype) -> int:
+    for i, a in enumerate(args):
+        value = r.full_value(a)
+        if _is_finite_number(value) and dtype in FLOAT_DTYPES:
+            return r.scale(args[1 - i], value)
+    for i, a in enumerate(args):
+        other = args[1 - i]
+        if r.op(a) == "piece" and r.op(other) != "piece":
+            return r._map_linear(a, lambda t: r.build("mul", (t, other), attrs, shape, dtype), shape)
+    return _elementwise(r, "mul", args, attrs, shape, dtype)
+
+
+def _div(r: Rules, args, attrs, shape, dtype) -> int:
+    value = r.full_value(args[1])
+    if _is_finite_number(value) and value != 0 and dtype in FLOAT_DTYPES:
+        return r.scale(args[0], Fraction(1) / Fraction(value))
+    return _elementwise(r, "div", args, attrs, shape, dtype)
+
+
+def _layout(r: Rules, op: str, args, attrs, shape, dtype) -> int:
+    x = args[0]
+    if op == "view":
+        return r.view(x, tuple(attrs[0]))
+    if op == "permute":
+        return r.permute(x, tuple(attrs[0]))
+    if op == "slice":
+        dim, lo, hi = attrs
+        return r.slice(x, tuple((lo, hi) if d == dim else (0, s) for d, s in enumerate(r.shape(x))))
+    if op == "cat":
+        return r.cat(list(args), attrs[0])
+    if op == "expand":
+        return r.expand(x, tuple(attrs[0]))
+    if op == "convert":
+        if dtype in FLOAT_DTYPES and r.u[x].dtype in FLOAT_DTYPES:
+            return x  # equivalence is over the reals: float casts are the identity
+        return _elementwise(r, op, args, attrs, shape, dtype)
+    raise AssertionError(op)
+
+
+def _reduce(r: Rules, op: str, args, attrs, shape, dtype) -> int:
+    dims, keepdim = attrs
+    x = args[0]
+    if keepdim:
+        inner_shape = tuple(s for d, s in enumerate(r.shape(x)) if d not in dims)
+        return r.view(r.build(op, (x,), (dims, False), inner_shape, dtype), shape)
+    term = r.u[x]
+    if op == "sum" and term.op in ("lin", "piece"):
+        return r._map_linear(x, lambda t: r.build(op, (t,), attrs, shape, dtype), shape)
+    root, box = r.as_region(x)
+    if root != x:
+        reduced_restricted = [d for d in dims if box[d] != (0, r.shape(root)[d])]
+        kept_box = tuple(b for d, b in enumerate(box) if d not in dims)
+        global_out = tuple(s for d, s in enumerate(r.shape(root)) if d not in dims)
+        if not reduced_restricted:
+            return r.slice(r.build(op, (root,), attrs, global_out, dtype), kept_box)
+        if op == "sum" and len(reduced_restricted) == 1:
+            d = reduced_restricted[0]
+            other_box = tuple((0, s) if k == d else b for k, b in enumerate(box))
+            partial_root = r.slice(root, other_box)
+            total = r.build(op, (partial_root,), attrs, shape, dtype) if partial_root != root else None
+            if total is None:
+                total = r.literal(op, (root,), attrs, global_out, dtype)
+                total = r.slice(total, kept_box)
+            lo, hi = box[d]
+            return r.piece(total, ("sum", d, partial_root), lo, hi, r.shape(root)[d])
+    return r.literal(op, (x,), attrs, shape, dtype)
+
+
+def _softmax(r: Rules, op: str, args, attrs, shape, dtype) -> int:
+    (dim,) = attrs
+    x = args[0]
+    root, box = r.as_region(x)
+    if root != x and box[dim] == (0, r.shape(root)[dim]):
+        return r.slice(r.build(op, (root,), attrs, r.shape(root), dtype), box)
+    term = r.u[x]
+    if term.op == "cat" and term.attrs[0] != dim:
+        return r.cat([r.build(op, (p,), attrs, r.shape(p), dtype) for p in term.args], term.attrs[0])
+    return r.literal(op, (x,), attrs, shape, dtype)
+
+
+def _matmul(r: Rules, op: str, args, attrs, shape, dtype) -> int:
+    a, b = args
+    for i, t in enumerate((a, b)):
+        term = r.u[t]
+        other = args[1 - i]
+        if term.op == "lin" and len(term.args) == 1:
+            inner = (term.args[0], other) if i == 0 else (other, term.args[0])
+            return r.scale(r.build("matmul", inner, attrs, shape, dtype), term.attrs[0][0])
+        if term.op == "piece" and r.op(other) != "piece":
+            return r._map_linear(
+                t, lambda x: r.build("matmul", (x, other) if i == 0 else (other, x), attrs, shape, dtype), shape
+            )
+    for i, t in enumerate((a, b)):
+        term = r.u[t]
+        free_dim = len(shape) - 2 + i
+        if term.op == "cat" and term.attrs[0] == len(term.shape) - 2 + i:
+            parts = []
+            for p in term.args:
+                pair = (p, b) if i == 0 else (a, p)
+                out_shape = list(shape)
+                out_shape[free_dim] = r.shape(p)[term.attrs[0]]
+                parts.append(r.build("matmul", pair, attrs, tuple(out_shape), dtype))
+            return r.cat(parts, free_dim)
+    return _matmul_slices(r, a, b, attrs, shape, dtype)
+
+
+def _matmul_slices(r: Rules, a: int, b: int, attrs, shape, dtype) -> int:
+    """Slices on free dims move to the output; equal slices of the contracted dim make a piece."""
+    ra, box_a = r.as_region(a)
+    rb, box_b = r.as_region(b)
+    if ra == a and rb == b:
+        return r.literal("matmul", (a, b), attrs, shape, dtype)
+    if len(shape) > 2 and len(r.shape(b)) > 2 and box_a[:-2] != box_b[:-2]:
+        ra, box_a, rb, box_b = _align_batch(r, a, ra, box_a, b, rb, box_b)
+    sa, sb = r.shape(ra), r.shape(rb)
+    shared_batch = len(sb) > 2
+    if shared_batch and (len(sa) != len(sb) or sa[:-2] != sb[:-2] or box_a[:-2] != box_b[:-2]):
+        return r.literal("matmul", (a, b), attrs, shape, dtype)
+    if sa[-1] != sb[-2] or box_a[-1] != box_b[-2]:
+        return r.literal("matmul", (a, b), attrs, shape, dtype)
+    global_shape = sa[:-1] + sb[-1:]
+    core = r.build("matmul", (ra, rb), attrs, global_shape, dtype)
+    out = r.slice(core, box_a[:-1] + box_b[-1:])
+    lo, hi = box_a[-1]
+    return r.piece(out, ("matmul", core), lo, hi, sa[-1])
+
+
+def _align_batch(r: Rules, a: int, ra: int, box_a: Box, b: int, rb: int, box_b: Box) -> tuple[int, Box, int, Box]:
+    """Express the operand without a batch slice as a region with the other operand's batch box."""
+    for sliced, root, box, other, other_root, other_box in ((a, ra, box_a, b, rb, box_b), (b, rb, box_b, a, ra, box_a)):
+        if root == sliced:
+            continue
+        target = box[:-2] + other_box[-2:]
+        lifted = r.unslice(other, target, r.shape(root)[:-2] + r.shape(other_root)[-2:])
+        if lifted is not None:
+            return (root, box, lifted, target) if sliced == a else (lifted, target, root, box)
+    return ra, box_a, rb, box_b
+
+
+def _embedding(r: Rules, op: str, args, attrs, shape, dtype) -> int:
+    weight, ids = args
+    root_w, box_w = r.as_region(weight)
+    if root_w != weight and box_w[0] == (0, r.shape(root_w)[0]):
+        global_shape = shape[:-1] + (r.shape(root_w)[1],)
+        return r.slice(r.build(op, (root_w, ids), attrs, global_shape, dtype), tuple((0, s) for s in shape[:-1]) + (box_w[1],))
+    root_i, box_i = r.as_region(ids)
+    if root_i != ids:
+        global_shape = r.shape(root_i) + shape[-1:]
+        return r.slice(r.build(op, (weight, root_i), attrs, global_shape, dtype), box_i + ((0, shape[-1]),))
+    return r.literal(op, args, attrs, shape, dtype)
+
+
+def _where(r: Rules, op: str, args, attrs, shape, dtype) -> int:
+    cond, when_true, when_false = args
+    if when_true == when_false:
+        return when_true
+    masked = _masked_lookup(r, cond, when_true, when_false)
+    if masked is not None:
+        return masked
+    return _elementwise(r, op, args, attrs, shape, dtype)
+
+
+def _masked_lookup(r: Rules, cond: int, when_true: int, when_false: int) -> int | None:
+    """where(ids outside [lo,hi), 0, embedding(W[lo:hi], shifted ids)) is the [lo,hi) piece of W[ids].
+
+    That is the vocab-parallel embedding: each rank looks up the rows it owns and zeroes the rest;
+    the sum over ranks is the full lookup when the row ranges tile the vocabulary.
+    """
+    if r.full_value(when_true) != 0:
+        return None
+    lookup = r.u[when_false]
+    if lookup.op != "embedding":
+        return None
+    weight, shifted = lookup.args
+    root_w, box_w = r.as_region(weight)
+    if root_w == weight or any(b != (0, s) for b, s in zip(box_w[1:], r.shape(root_w)[1:])):
+        return None
+    lo, hi = box_w[0]
+    outside = _outside_range(r, _unbroadcast(r, cond))
+    if outside is None or outside[1:] != (lo, hi):
+        return None
+    ids = outside[0]
+    if not _is_shift_of(r, shifted, ids, -lo, cond):
+        return None
+    whole = r.build("embedding", (root_w, ids), (), r.shape(ids) + r.shape(root_w)[1:], lookup.dtype)
+    return r.piece(whole, ("rows", root_w, ids), lo, hi, r.shape(root_w)[0])
+
+
+def _unbroadcast(r: Rules, t: int) -> int:
+    term = r.u[t]
+    return term.args[0] if term.op == "bcast" else t
+
+
+def _outside_range(r: Rules, mask: int) -> tuple[int, int, int] | None:
+    """Recognize `ids < lo | ids >= hi` (in its usual spellings) as (ids, lo, hi)."""
+    term = r.u[mask]
+    if term.op == "logical_or" and len(term.args) == 2:
+        bounds = [_compare_const(r, a) for a in term.args]
+        if None in bounds:
+            return None
+        (x1, op1, v1), (x2, op2, v2) = bounds
+        if x1 != x2:
+            return None
+        limits = {op1: v1, op2: v2}
+        if "lt" in limits and "ge" in limits:
+            return x1, int(limits["lt"]), int(limits["ge"])
+    if term.op == "logical_not":
+        inner = r.u[term.args[0]]
+        if inner.op == "logical_and":
+            bounds = [_compare_const(r, a) for a in inner.args]
+            if None not in bounds and bounds[0][0] == bounds[1][0]:
+                limits = {b[1]: b[2] for b in bounds}
+                if "ge" in limits and "lt" in limits:
+                    return bounds[0][0], int(limits["ge"]), int(limits["lt"])
+    return None
+
+
+def _compare_const(r: Rules, t: int) -> tuple[int, str, Any] | None:
+    term = r.u[t]
+    if term.op not in ("lt", "ge", "le", "gt") or len(term.args) != 2:
+        return None
+    value = r.full_value(term.args[1])
+    if value is None:
+        return None
+    op = {"le": "lt", "gt": "ge"}.get(term.op, term.op)
+    shift = 1 if term.op in ("le", "gt") else 0
+    return term.args[0], op, value + shift
+
+
+def _is_shift_of(r: Rules, shifted: int, ids: int, offset: int, cond: int) -> bool:
+    """`shifted` equals ids + offset wherever the mask is false."""
+    term = r.u[shifted]
+    if term.op == "where" and _unbroadcast(r, term.args[0]) == _unbroadcast(r, cond):
+        shifted = term.args[2]
+    expected = r.lin([(ids, Fraction(1)), (r.literal("full", (), (1,), r.shape(ids), r.u[ids].dtype), Fraction(offset))])
+    return shifted == expected
+
+
+def _keep_literal(r: Rules, op: str, args, attrs, shape, dtype) -> int:
+    return r.literal(op, args, attrs, shape, dtype)
+
+
+_BY_OP: dict[str, Callable[..., int]] = {"add": _add, "mul": _mul, "div": _div}
+_BY_KIND: dict[str, Callable[..., int]] = {
+    "unary": _unary,
+    "binary": _elementwise,
+    "compare": _elementwise,
+    "where": _where,
+    "layout": _layout,
+    "reduce": _reduce,
+    "softmax": _softmax,
+    "matmul": _matmul,
+    "embedding": _embedding,
+    "mask": _keep_literal,
+}
