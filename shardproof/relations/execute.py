@@ -33,6 +33,7 @@ class Execution:
 def execute(reference: Graph, ranks: list[Graph], rules: Rules | None = None) -> Execution:
     rules = rules or Rules()
     ref_terms = _run_local(rules, reference, [], 0, len(reference.nodes))
+    rules.reference_size = len(rules.u)
     rank_terms: list[list[int]] = [[] for _ in ranks]
     cursors = [0] * len(ranks)
     while True:

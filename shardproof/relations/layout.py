@@ -58,7 +58,7 @@ def reshape_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[lis
 
 
 def view_of_box(
-    global_src: tuple[int, ...], box: Box, local_dst: tuple[int, ...]
+    global_src: tuple[int, ...], box: Box, local_dst: tuple[int, ...], ones_split: bool = False
 ) -> tuple[tuple[int, ...], Box] | None:
     """If `view(X[box], local_dst)` equals `view(X, G)[B]` for some G and B, return (G, B).
 
@@ -66,7 +66,8 @@ def view_of_box(
     restriction is aligned to the sizes of the inner destination dims of that group. A restricted
     size-1 source dim (one selected row) moves to a size-1 destination dim, and a size-1
     destination dim right before a restricted group takes the restriction as the outer factor
-    of a split (so `(s, 4) -> (s, 1, 4)` of columns [36:40) is head 9 of `(s, 12, 4)`).
+    of a split when `ones_split` (so `(s, 4) -> (s, 1, 4)` of columns [36:40) is head 9 of
+    `(s, 12, 4)`); both readings are true, the caller picks the one the reference uses.
     """
     local_src = box_shape(box)
     groups = reshape_groups(local_src, local_dst)
@@ -100,7 +101,7 @@ def view_of_box(
         inner_src = math.prod(local_src[k] for k in gi[1:])
         lo, hi, size = box[d][0] * inner_src, box[d][1] * inner_src, global_src[d] * inner_src
         block = math.prod(local_dst[k] for k in gj)
-        if free_ones and hi - lo == block and lo % block == 0 and size % block == 0:
+        if ones_split and free_ones and hi - lo == block and lo % block == 0 and size % block == 0:
             one = free_ones[-1]
             out_shape[one], out_box[one] = size // block, (lo // block, hi // block)
             free_ones.clear()

@@ -28,6 +28,12 @@ class Rules:
 
     def __init__(self, universe: Universe | None = None) -> None:
         self.u = universe or Universe()
+        self.reference_size: int | None = None  # terms below this id were built by the reference
+        self.reference_boxes: dict[int, set[Box]] = {}  # root -> boxes the reference sliced it to
+
+    def in_reference(self, t: int) -> bool:
+        """Where two normal forms are both true, rules prefer the one the reference built."""
+        return self.reference_size is not None and t < self.reference_size
 
     # --- entry point for IR ops -------------------------------------------------------------------
     def build(self, op: str, args: tuple[int, ...], attrs: tuple, shape: tuple[int, ...], dtype: str) -> int:
@@ -89,6 +95,8 @@ class Rules:
             moved = self._slice_repeat(x, box)
             if moved is not None:
                 return moved
+        if self.reference_size is None:
+            self.reference_boxes.setdefault(x, set()).add(box)
         return self.literal("slice", (x,), (box,), shape, term.dtype)
 
     def _slice_cat(self, x: int, box: Box) -> int:
@@ -187,6 +195,20 @@ class Rules:
             return self.root_of(term.args[0])
         return t
 
+    def regions(self, t: int) -> list[tuple[int, Box]]:
+        """Ways to see `t` as X[box]: over the largest root first, then over each region of
+        that root the reference itself sliced out (its q of a fused qkv, say)."""
+        whole, box = self.as_region(t)
+        if whole == t:
+            return [(t, box)]
+        found = [(whole, box)]
+        for ref_box in sorted(self.reference_boxes.get(self.root_of(t), ())):
+            inside = all(rl <= lo and hi <= rh for (rl, rh), (lo, hi) in zip(ref_box, box))
+            if inside and ref_box != box:
+                relative = tuple((lo - rl, hi - rl) for (rl, _), (lo, hi) in zip(ref_box, box))
+                found.append((self.slice(whole, ref_box), relative))
+        return found
+
     def find_box(self, t: int) -> Box | None:
         """The box of the first slice found at the top of `t` (through lin and piece)."""
         term = self.u[t]
@@ -218,58 +240,51 @@ class Rules:
         if term.op == "bcast":
             return self._unslice_bcast(t, box, tuple(global_shape))
         if term.op == "repeat":
-            dim, times = term.attrs
-            if box[dim][0] % times or box[dim][1] % times or global_shape[dim] % times:
-                return None
-            inner_box = tuple((lo // times, hi // times) if d == dim else (lo, hi) for d, (lo, hi) in enumerate(box))
-            inner_shape = tuple(s // times if d == dim else s for d, s in enumerate(global_shape))
-            inner = self.unslice(term.args[0], inner_box, inner_shape)
-            return None if inner is None else self.repeat(inner, dim, times)
+            return self._unslice_repeat(t, box, tuple(global_shape))
         return None
 
     def _unslice_bcast(self, t: int, box: Box, global_shape: tuple[int, ...]) -> int | None:
         term = self.u[t]
         dims = term.attrs[0]
-        cut = [d for d in range(len(box)) if d not in dims and box[d] != (0, global_shape[d])]
-        if not cut:
-            inner = self.unslice(term.args[0], tuple(box[d] for d in dims), tuple(global_shape[d] for d in dims))
-            return None if inner is None else self.bcast(inner, global_shape, dims)
-        if len(cut) != 1:
-            return None
-        return self._unslice_block(t, box, global_shape, cut[0])
+        inner = self.unslice(term.args[0], tuple(box[d] for d in dims), tuple(global_shape[d] for d in dims))
+        return None if inner is None else self.bcast(inner, global_shape, dims)
 
-    def _unslice_block(self, t: int, box: Box, global_shape: tuple[int, ...], dim: int) -> int | None:
-        """One row of K broadcast along `dim` is a slice of K repeated: the GQA layout where
-        several query heads (and ranks) share one kv head. Which K (how many rows it has) is
-        not visible locally; among the candidates take the one the reference already built."""
+    def _unslice_repeat(self, t: int, box: Box, global_shape: tuple[int, ...]) -> int | None:
         term = self.u[t]
-        squeezed = self.u[term.args[0]]
-        if squeezed.op != "view":
+        dim, times = term.attrs
+        row = term.args[0]
+        if self.shape(row)[dim] == 1:
+            return self._unslice_block(row, times, box, global_shape, dim)
+        if box[dim][0] % times or box[dim][1] % times or global_shape[dim] % times:
             return None
-        row = self.u[squeezed.args[0]]
-        if len(row.shape) != len(global_shape) or row.shape[dim] != 1:
-            return None
-        source, row_box = self.as_slice(squeezed.args[0])
-        if source == squeezed.args[0]:
+        inner_box = tuple((lo // times, hi // times) if d == dim else (lo, hi) for d, (lo, hi) in enumerate(box))
+        inner_shape = tuple(s // times if d == dim else s for d, s in enumerate(global_shape))
+        inner = self.unslice(row, inner_box, inner_shape)
+        return None if inner is None else self.repeat(inner, dim, times)
+
+    def _unslice_block(self, row: int, count: int, box: Box, global_shape: tuple[int, ...], dim: int) -> int | None:
+        """Row j of K repeated `count` times is a slice of K repeated: the GQA layout where
+        several query heads (and ranks) share one kv head. How many rows K has is not visible
+        locally; among the candidates take the one the reference already built."""
+        source, row_box = self.as_region(row)
+        if source == row or self.shape(source)[dim] == 1:
             return None
         j = row_box[dim][0]
         lo, hi = box[dim]
-        before = len(self.u)
-        for times in range(hi - lo, global_shape[dim] + 1):
+        for times in range(max(count, 2), global_shape[dim] + 1):
             if global_shape[dim] % times or lo // times != (hi - 1) // times:
                 continue
             rows = global_shape[dim] // times
             start = j - lo // times
             if start < 0 or start + rows > self.shape(source)[dim]:
                 continue
-            k_box = tuple((start, start + rows) if d == dim else r for d, r in enumerate(row_box))
-            keys = self.slice(source, k_box)
+            keys = self.slice(source, tuple((start, start + rows) if d == dim else r for d, r in enumerate(row_box)))
             outer_box = tuple((0, rows) if d == dim else r for d, r in enumerate(box))
             outer_shape = tuple(rows if d == dim else s for d, s in enumerate(global_shape))
             inner = self.unslice(keys, outer_box, outer_shape)
             if inner is not None:
                 candidate = self.repeat(inner, dim, times)
-                if candidate < before:
+                if self.in_reference(candidate):
                     return candidate
         return None
 
@@ -289,18 +304,24 @@ class Rules:
             if moved is not None:
                 return moved
         if term.op == "slice":
-            mapped = view_of_box(self.shape(term.args[0]), term.attrs[0], shape)
-            if mapped is not None:
-                global_shape, box = mapped
-                return self.slice(self.view(term.args[0], global_shape), box)
-        if _squeezed(term.shape) == _squeezed(shape):
-            base = x if 1 not in term.shape else self.literal("view", (x,), (), _squeezed(shape), term.dtype)
-            return self.bcast(base, shape, tuple(d for d, s in enumerate(shape) if s != 1))
+            root, region = term.args[0], term.attrs[0]
+            split = view_of_box(self.shape(root), region, shape, ones_split=True)
+            plain = view_of_box(self.shape(root), region, shape)
+            if split is not None and split != plain:
+                whole = self.view(root, split[0])
+                if self.in_reference(whole):
+                    return self.slice(whole, split[1])
+            if plain is not None:
+                return self.slice(self.view(root, plain[0]), plain[1])
+        inserted = _inserted_ones(term.shape, shape)
+        if inserted is not None:
+            return self.bcast(x, shape, inserted)
         return self.literal("view", (x,), (), shape, term.dtype)
 
     def _view_bcast(self, x: int, shape: tuple[int, ...]) -> int | None:
-        """Reshape a broadcast: groups of kept dims reshape the base; a kept dim merged with
-        broadcast dims after it is a repeat (repeat_interleave, as in GQA's repeat_kv)."""
+        """Reshape a broadcast group by group. Groups of kept dims reshape the base (taking a
+        size-1 dim just before them along); a kept dim merged with broadcast dims after it, or a
+        kept size-1 dim followed by a broadcast dim, is a repeat (GQA's repeat_kv)."""
         term = self.u[x]
         kept = set(term.attrs[0])
         groups = reshape_groups(term.shape, shape)
@@ -309,22 +330,48 @@ class Rules:
         dims: list[int] = []
         base_shape: list[int] = []
         repeats: list[tuple[int, int]] = []
+        free_ones: list[int] = []
+        pending_row = False
         for gi, gj in groups:
-            real_src = [d for d in gi if term.shape[d] != 1]
-            real_dst = [d for d in gj if shape[d] != 1]
-            mine = [d for d in real_src if d in kept]
-            if not mine:
+            mine = [d for d in gi if d in kept]
+            if not gi:
+                if pending_row:
+                    dims.append(gj[0])
+                    base_shape.append(1)
+                    pending_row = False
+                else:
+                    free_ones.append(gj[0])
                 continue
-            if mine == real_src:
-                dims.extend(real_dst)
-                base_shape.extend(shape[d] for d in real_dst)
-            elif mine == real_src[:1] and len(real_dst) == 1:
-                times = math.prod(term.shape[d] for d in real_src[1:])
-                dims.append(real_dst[0])
+            if not gj:
+                if mine:
+                    if pending_row:
+                        return None
+                    pending_row = True
+                continue
+            if pending_row:
+                if mine or len(gj) != 1:
+                    return None
+                dims.append(gj[0])
+                base_shape.append(1)
+                repeats.append((gj[0], shape[gj[0]]))
+                pending_row = False
+                free_ones.clear()
+                continue
+            if not mine:
+                free_ones.clear()
+                continue
+            if mine == gi:
+                dims.extend(free_ones + gj)
+                base_shape.extend([1] * len(free_ones) + [shape[d] for d in gj])
+            elif mine == gi[:1] and len(gj) == 1:
+                dims.append(gj[0])
                 base_shape.append(term.shape[mine[0]])
-                repeats.append((real_dst[0], times))
+                repeats.append((gj[0], math.prod(term.shape[d] for d in gi[1:])))
             else:
                 return None
+            free_ones.clear()
+        if pending_row:
+            return None
         base = self.view(term.args[0], tuple(base_shape))
         inner_shape = list(shape)
         for d, times in repeats:
@@ -335,7 +382,10 @@ class Rules:
         return out
 
     def repeat(self, x: int, dim: int, times: int) -> int:
-        """Each element along `dim` repeated `times` times in a row (repeat_interleave)."""
+        """Each element along `dim` repeated `times` times in a row (repeat_interleave).
+
+        Also the normal form of one row of a larger tensor broadcast along its own dim, so that
+        a rank holding kv head j for its query heads matches the reference's repeat_kv."""
         term = self.u[x]
         if times == 1:
             return x
@@ -344,8 +394,9 @@ class Rules:
             return self._map_linear(x, lambda t: self.repeat(t, dim, times), shape)
         if term.op == "full":
             return self.literal("full", (), term.attrs, shape, term.dtype)
-        if term.shape[dim] == 1:
-            return self.expand(x, shape)
+        if term.op == "bcast" and dim in term.attrs[0]:
+            inner_dim = term.attrs[0].index(dim)
+            return self.bcast(self.repeat(term.args[0], inner_dim, times), shape, term.attrs[0])
         return self.literal("repeat", (x,), (dim, times), shape, term.dtype)
 
     def _slice_repeat(self, x: int, box: Box) -> int | None:
@@ -358,7 +409,7 @@ class Rules:
             return self.repeat(self.slice(inner, inner_box), dim, times)
         if lo // times == (hi - 1) // times:
             one = tuple((lo // times, lo // times + 1) if d == dim else r for d, r in enumerate(box))
-            return self.expand(self.slice(inner, one), box_shape(box))
+            return self.repeat(self.slice(inner, one), dim, hi - lo)
         return None
 
     def bcast(self, base: int, shape: tuple[int, ...], dims: tuple[int, ...]) -> int:
@@ -370,19 +421,17 @@ class Rules:
             return self.bcast(term.args[0], shape, inner_dims)
         if term.op == "full":
             return self.literal("full", (), term.attrs, shape, term.dtype)
-        if 1 in term.shape:
-            keep = [i for i, s in enumerate(term.shape) if s != 1]
-            squeezed = self.literal("view", (base,), (), tuple(term.shape[i] for i in keep), term.dtype)
-            return self.bcast(squeezed, shape, tuple(dims[i] for i in keep))
         if tuple(dims) == tuple(range(len(shape))):
             return base
         return self.literal("bcast", (base,), (tuple(dims),), shape, term.dtype)
 
     def expand(self, x: int, shape: tuple[int, ...]) -> int:
         have = self.shape(x)
+        if tuple(shape) == have:
+            return x
         dims = tuple(d for d, s in enumerate(have) if s != 1 or shape[d] == 1)
         base = self.view(x, tuple(have[d] for d in dims)) if len(dims) != len(have) else x
-        return self.bcast(base, shape, dims) if tuple(shape) != have else x
+        return self.bcast(base, shape, dims)
 
     def permute(self, x: int, perm: tuple[int, ...]) -> int:
         term = self.u[x]
@@ -474,8 +523,19 @@ class Rules:
         return self.lin([(x, Fraction(factor))])
 
 
-def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(s for s in shape if s != 1)
+def _inserted_ones(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[int, ...] | None:
+    """Where src's dims sit in dst if dst is src with size-1 dims inserted (first fit)."""
+    dims, j = [], 0
+    for size in src:
+        while j < len(dst) and dst[j] != size:
+            if dst[j] != 1:
+                return None
+            j += 1
+        if j == len(dst):
+            return None
+        dims.append(j)
+        j += 1
+    return tuple(dims) if all(dst[k] == 1 for k in range(j, len(dst))) else None
 
 
 def _is_finite_number(value: Any) -> bool:
@@ -643,7 +703,8 @@ def _matmul_slices(r: Rules, a: int, b: int, attrs, shape, dtype) -> int:
     rb, box_b = r.as_region(b)
     if ra == a and rb == b:
         return r.literal("matmul", (a, b), attrs, shape, dtype)
-    if len(shape) > 2 and len(r.shape(b)) > 2 and box_a[:-2] != box_b[:-2]:
+    batch_differs = box_a[:-2] != box_b[:-2] or r.shape(ra)[:-2] != r.shape(rb)[:-2]
+    if len(shape) > 2 and len(r.shape(b)) > 2 and batch_differs:
         ra, box_a, rb, box_b = _align_batch(r, a, ra, box_a, b, rb, box_b)
     sa, sb = r.shape(ra), r.shape(rb)
     shared_batch = len(sb) > 2
@@ -660,14 +721,18 @@ def _matmul_slices(r: Rules, a: int, b: int, attrs, shape, dtype) -> int:
 
 def _align_batch(r: Rules, a: int, ra: int, box_a: Box, b: int, rb: int, box_b: Box) -> tuple[int, Box, int, Box]:
     """Express the operand without a batch slice as a region with the other operand's batch box."""
-    for sliced, root, box, other, other_root, other_box in ((a, ra, box_a, b, rb, box_b), (b, rb, box_b, a, ra, box_a)):
-        if root == sliced:
-            continue
-        target = box[:-2] + other_box[-2:]
-        lifted = r.unslice(other, target, r.shape(root)[:-2] + r.shape(other_root)[-2:])
-        if lifted is not None:
-            return (root, box, lifted, target) if sliced == a else (lifted, target, root, box)
+    for sliced, other in ((a, b), (b, a)):
+        other_root, other_box = r.as_region(other)
+        for root, box in r.regions(sliced)[: None if root_differs(r, sliced) else 0]:
+            target = box[:-2] + other_box[-2:]
+            lifted = r.unslice(other, target, r.shape(root)[:-2] + r.shape(other_root)[-2:])
+            if lifted is not None:
+                return (root, box, lifted, target) if sliced == a else (lifted, target, root, box)
     return ra, box_a, rb, box_b
+
+
+def root_differs(r: Rules, t: int) -> bool:
+    return r.as_region(t)[0] != t
 
 
 def _embedding(r: Rules, op: str, args, attrs, shape, dtype) -> int:
