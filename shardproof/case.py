@@ -33,9 +33,18 @@ class Case:
     output: Output = ("replicate",)
     source: Path | None = None
     source_functions: list[Callable] = field(default_factory=list)
+    module: ModuleType | None = None
 
     def output_layout(self) -> Output:
         return normalize_output(self.output)
+
+    def use_preset(self, name: str) -> None:
+        """Set the case module's CONFIG to PRESETS[name] (case functions read CONFIG when called)."""
+        presets = getattr(self.module, "PRESETS", None) or {}
+        if name not in presets:
+            known = ", ".join(sorted(presets)) or "none"
+            raise CaseError(f"unknown preset `{name}` (this case file has: {known})")
+        self.module.CONFIG = presets[name]
 
 
 def normalize_output(output: Any) -> Output:
@@ -69,6 +78,7 @@ def load_case(path: str | Path) -> Case:
         output=normalize_output(getattr(module, "OUTPUT", "replicate")),
         source=path.resolve(),
         source_functions=_functions_defined_in(module),
+        module=module,
     )
 
 

@@ -1,0 +1,84 @@
+"""`shardproof.verify`: capture, prove, report."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from shardproof.capture.torch_capture import capture
+from shardproof.case import Case, load_case, normalize_output
+from shardproof.errors import UnsupportedOp
+from shardproof.ir.graph import Node
+from shardproof.prove import prove
+from shardproof.report.model import Report, Site
+
+
+def verify(
+    case: Case | str | Path | None = None,
+    *,
+    reference: Callable[[], torch.nn.Module] | None = None,
+    distributed: Callable[[int, int], torch.nn.Module] | None = None,
+    inputs: Callable[[], tuple] | None = None,
+    world_size: int | None = None,
+    shard_state: Callable | None = None,
+    shard_input: Callable | None = None,
+    output: str | tuple = "replicate",
+    preset: str | None = None,
+    progress: Callable[[str], None] = lambda _: None,
+) -> Report:
+    """Prove the distributed model equals the reference, or say where it does not.
+
+    Pass a case (a Case or the path of a case file) or its parts as keywords. Raises
+    ShardproofError subclasses for unusable input (missing file, untraceable model, ...).
+    """
+    if case is None:
+        if reference is None or distributed is None or inputs is None:
+            raise TypeError("verify() needs a case file, or reference=, distributed= and inputs=")
+        case = Case(reference, distributed, inputs, world_size or 2, shard_state, shard_input, normalize_output(output))
+    elif not isinstance(case, Case):
+        case = load_case(case)
+    if preset is not None:
+        case.use_preset(preset)
+    n = world_size or case.world_size
+    start = time.perf_counter()
+    try:
+        captured = capture(case, n, progress)
+    except UnsupportedOp as err:
+        return Report("unknown", n, time.perf_counter() - start, 0, 0, str(err), unknown={"op": err.op, "reason": str(err)})
+    progress("proving")
+    proof = prove(captured, case.output_layout())
+    report = Report(
+        proof.verdict,
+        n,
+        time.perf_counter() - start,
+        captured.reference.op_count(),
+        sum(g.op_count() for g in captured.ranks),
+        capture_seconds=captured.seconds,
+        terms=proof.terms,
+    )
+    finding = proof.finding
+    if finding is not None:
+        report.diagnosis = finding.message
+        report.distributed = _unique([_site(node, rank) for rank, node in finding.distributed])
+        report.reference = _unique([_site(node, None) for node in finding.reference])
+        if finding.verdict == "unknown":
+            report.unknown = {"op": finding.op or "", "reason": finding.message}
+    return report
+
+
+def _site(node: Node, rank: int | None) -> Site:
+    loc = node.loc
+    return Site(loc.file if loc else "?", loc.line if loc else 0, loc.code if loc else node.name, node.op, rank)
+
+
+def _unique(sites: list[Site]) -> list[Site]:
+    seen, out = set(), []
+    for site in sites:
+        key = (site.file, site.line, site.rank)
+        if key not in seen:
+            seen.add(key)
+            out.append(site)
+    return out

@@ -1,0 +1,309 @@
+"""Where and why a rank parts ways with the reference, once the outputs were not proven equal.
+
+The first op of a rank whose value is not built from reference values by layout and linear
+structure alone is where the two programs diverge. What the divergence looks like says what kind
+of fault it is: a partial sum consumed by a nonlinear op (missing reduction), a sum over ranks whose
+pieces overlap or leave gaps (wrong shard / double counting), the right terms with the wrong
+coefficients (double counting, wrong scale), or an operand that is the wrong region of a reference
+tensor (wrong layout). Anything else is `unknown`: a rule may be missing, which is not a bug.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+from shardproof.ir.graph import Graph, Node
+from shardproof.ir.ops import OPS
+from shardproof.relations.execute import Execution
+from shardproof.relations.rules import Rules
+
+STRUCTURAL = {"slice", "cat", "bcast", "repeat", "lin", "piece", "full", "const"}
+LAYOUT_OPS = {"view", "permute", "slice", "expand", "convert", "cat"}
+
+
+@dataclass
+class Finding:
+    verdict: str  # "discrepancy" or "unknown"
+    kind: str  # missing reduction, double counting, wrong scale, wrong layout, wrong axis, unknown
+    message: str
+    distributed: list[tuple[int, Node]] = field(default_factory=list)  # (rank, node), culprit first
+    reference: list[Node] = field(default_factory=list)
+    op: str | None = None
+
+
+class Diagnoser:
+    def __init__(self, run: Execution, reference: Graph, ranks: list[Graph]):
+        self.run = run
+        self.r: Rules = run.rules
+        self.reference = reference
+        self.ranks = ranks
+        self._grounded: dict[int, bool] = {}
+        self._ref_lins: dict[frozenset, int] = {}
+        for t in run.reference:
+            term = self.r.u[t]
+            if term.op == "lin":
+                self._ref_lins.setdefault(frozenset(term.args), t)
+
+    # --- what counts as still agreeing -------------------------------------------------------
+    def grounded(self, t: int) -> bool:
+        """Built from reference values by regions and linear structure only."""
+        if t not in self._grounded:
+            term = self.r.u[t]
+            self._grounded[t] = self.r.in_reference(t) or (
+                term.op in STRUCTURAL and all(self.grounded(a) for a in term.args)
+            )
+        return self._grounded[t]
+
+    def region_of_reference(self, t: int) -> bool:
+        return self.r.in_reference(t) or any(self.r.in_reference(root) for root, _ in self.r.regions(t))
+
+    def partial(self, t: int) -> bool:
+        term = self.r.u[t]
+        return term.op == "piece" or (term.op in ("lin", "slice", "bcast", "repeat") and any(self.partial(a) for a in term.args))
+
+    # --- entry --------------------------------------------------------------------------------------
+    def diagnose(self, mismatched_outputs: list[tuple[int, int]]) -> Finding:
+        """`mismatched_outputs`: (rank, output index) pairs whose value was not proven."""
+        divergence = self._first_divergence()
+        if divergence is not None:
+            rank, node = divergence
+            if OPS[node.op].kind == "collective":
+                return self._at_collective(rank, node)
+            return self._at_op(rank, node)
+        rank, index = mismatched_outputs[0]
+        node = self.ranks[rank][self.ranks[rank].outputs[index]]
+        return self._at_output(rank, node, index)
+
+    def _first_divergence(self) -> tuple[int, Node] | None:
+        best: tuple[int, Node] | None = None
+        for rank, graph in enumerate(self.ranks):
+            for node in graph.nodes:
+                if node.op in ("leaf", "const"):
+                    continue
+                t = self.run.ranks[rank][node.id]
+                collective = OPS[node.op].kind == "collective"
+                if not self.grounded(t) or (collective and not self.region_of_reference(t)):
+                    if best is None or node.id < best[1].id:
+                        best = (rank, node)
+                    break
+        return best
+
+    # --- a sum over ranks that does not add up ------------------------------------------------------
+    def _at_collective(self, rank: int, node: Node) -> Finding:
+        t = self.run.ranks[rank][node.id]
+        term = self.r.u[t]
+        parts = list(zip(term.args, term.attrs[0])) if term.op == "lin" else [(t, Fraction(1))]
+        pieces = [(a, c) for a, c in parts if self.r.u[a].op == "piece"]
+        if pieces:
+            return self._uneven_pieces(rank, node, pieces)
+        miscounted = self._miscounted(parts)
+        if miscounted is not None:
+            extra, have, want = miscounted
+            kind = "double counting" if have == want * len(node.attrs[-1]) else "wrong scale"
+            culprit = self._introducing(rank, node, lambda x: extra in self._lin_args(x))
+            return Finding(
+                "discrepancy",
+                kind,
+                f"{kind}: after `{node.op}` the term {self.r.u.render(extra, 2)} is counted {have} times where the "
+                f"reference counts it {want} times: it is added on every rank before the sum over ranks",
+                [(rank, culprit), (rank, node)],
+            )
+        return self._unexplained(rank, node)
+
+    def _uneven_pieces(self, rank: int, node: Node, pieces: list[tuple[int, Fraction]]) -> Finding:
+        ranges = sorted((self.r.u[p].attrs[1], self.r.u[p].attrs[2], c) for p, c in pieces)
+        size = self.r.u[pieces[0][0]].attrs[3]
+        covered = ", ".join(f"[{lo}:{hi})" + (f" x{c}" if c != 1 else "") for lo, hi, c in ranges)
+        duplicated = any(c != 1 for _, _, c in ranges)
+        group = node.attrs[-1]
+        culprit = self._slice_source(rank, node, ranges) or self._piece_origin(rank, node)
+        kind = "double counting" if duplicated else "missing reduction"
+        return Finding(
+            "discrepancy",
+            "wrong layout" if duplicated else kind,
+            f"wrong layout ({kind}): `{node.op}` over ranks {list(group)} adds up parts {covered} of a sum over "
+            f"an axis of size {size}; the parts must cover it exactly once (a rank holds the wrong shard)",
+            [(rank, culprit), (rank, node)] if culprit is not None else [(rank, node)],
+        )
+
+    def _miscounted(self, parts: list[tuple[int, Fraction]]) -> tuple[int, Fraction, Fraction] | None:
+        """A reference sum with the same terms but other coefficients: (term, have, want)."""
+        same = self._ref_lins.get(frozenset(a for a, _ in parts))
+        if same is not None:
+            want = dict(zip(self.r.u[same].args, self.r.u[same].attrs[0]))
+            for a, c in parts:
+                if want.get(a) != c:
+                    return a, c, want[a]
+        if len(parts) == 1 and self.r.in_reference(parts[0][0]) and parts[0][1] != 1:
+            return parts[0][0], parts[0][1], Fraction(1)
+        return None
+
+    # --- an op whose value the reference never computes ----------------------------------------------
+    def _at_op(self, rank: int, node: Node) -> Finding:
+        terms = self.run.ranks[rank]
+        partial_inputs = [i for i in node.inputs if self.partial(terms[i])]
+        if partial_inputs:
+            origin = self._piece_origin(rank, node)
+            return Finding(
+                "discrepancy",
+                "missing reduction",
+                f"missing reduction: a partial sum (each rank holds only its share) reaches `{node.op}` without an "
+                f"all-reduce",
+                [(rank, origin), (rank, node)] if origin is not None else [(rank, node)],
+                op=node.op,
+            )
+        return self._wrong_operand(rank, node)
+
+    def _wrong_operand(self, rank: int, node: Node) -> Finding:
+        terms = self.run.ranks[rank]
+        match = self._should_match(rank, node)
+        if match is None:
+            return self._unexplained(rank, node)
+        ref_terms = self.run.reference
+        for position, (d_in, r_in) in enumerate(zip(node.inputs, match.inputs)):
+            if self._consistent(terms[d_in], ref_terms[r_in]):
+                continue
+            culprit = self._walk_back(rank, self.ranks[rank][d_in], self.reference[r_in])
+            return Finding(
+                "discrepancy",
+                "wrong layout",
+                f"wrong layout: on rank {rank}, operand {position} of `{node.op}` is "
+                f"{self.r.u.render(terms[d_in], 3)} but the reference uses {self.r.u.render(ref_terms[r_in], 3)}",
+                [(rank, culprit), (rank, node)],
+                [match, self.reference[r_in]],
+            )
+        return self._unexplained(rank, node)
+
+    def _should_match(self, rank: int, node: Node) -> Node | None:
+        """The reference op of the same kind that shares the most operands with this one."""
+        terms = self.run.ranks[rank]
+        best, best_score = None, 0
+        for ref_node in self.reference.nodes:
+            if ref_node.op != node.op or len(ref_node.inputs) != len(node.inputs):
+                continue
+            score = sum(
+                self._consistent(terms[d], self.run.reference[r]) for d, r in zip(node.inputs, ref_node.inputs)
+            )
+            if score > best_score:
+                best, best_score = ref_node, score
+        return best
+
+    def _consistent(self, dist_term: int, ref_term: int) -> bool:
+        """The rank's value is the reference value or a region of it."""
+        if dist_term == ref_term:
+            return True
+        return any(root == ref_term for root, _ in self.r.regions(dist_term)) or any(
+            root == ref_root for root, _ in self.r.regions(dist_term) for ref_root, _ in self.r.regions(ref_term)
+        ) and self._inside(dist_term, ref_term)
+
+    def _inside(self, dist_term: int, ref_term: int) -> bool:
+        d_root, d_box = self.r.as_region(dist_term)
+        r_root, r_box = self.r.as_region(ref_term)
+        return d_root == r_root and all(rl <= dl and dh <= rh for (dl, dh), (rl, rh) in zip(d_box, r_box))
+
+    def _walk_back(self, rank: int, dist_node: Node, ref_node: Node) -> Node:
+        """Up a chain of layout ops in step with the reference's chain, to the first wrong one."""
+        graph, terms = self.ranks[rank], self.run.ranks[rank]
+        culprit = dist_node
+        while dist_node.op in LAYOUT_OPS and dist_node.op == ref_node.op and len(dist_node.inputs) == 1:
+            d_parent, r_parent = graph[dist_node.inputs[0]], self.reference[ref_node.inputs[0]]
+            if self._consistent(terms[d_parent.id], self.run.reference[r_parent.id]):
+                return dist_node
+            culprit, dist_node, ref_node = d_parent, d_parent, r_parent
+        return culprit
+
+    # --- outputs that differ without any divergent op ---------------------------------------------------
+    def _at_output(self, rank: int, node: Node, index: int) -> Finding:
+        t = self.run.ranks[rank][node.id]
+        term = self.r.u[t]
+        if self.partial(t):
+            origin = self._piece_origin(rank, node)
+            return Finding(
+                "discrepancy",
+                "missing reduction",
+                "missing reduction: the output is still a partial sum (each rank holds only its share); "
+                "it needs an all-reduce",
+                [(rank, origin)] if origin is not None else [(rank, node)],
+            )
+        parts = list(zip(term.args, term.attrs[0])) if term.op == "lin" else [(t, Fraction(1))]
+        miscounted = self._miscounted(parts)
+        if miscounted is not None:
+            extra, have, want = miscounted
+            culprit = self._introducing(rank, node, lambda x: self._scaled(x))
+            return Finding(
+                "discrepancy",
+                "wrong scale",
+                f"wrong scale: output {index} is {have / want} times the reference value",
+                [(rank, culprit)],
+            )
+        if term.op == "cat":
+            culprit = self._introducing(rank, node, lambda x: self.r.u[x].op == "cat")
+            return Finding(
+                "discrepancy",
+                "wrong axis",
+                f"wrong layout (wrong axis): output {index} concatenates the ranks' shards along dim "
+                f"{term.attrs[0]}, which is not the dim they were split on",
+                [(rank, culprit)],
+            )
+        return self._unexplained(rank, node)
+
+    # --- finding the line that introduced something ---------------------------------------------------
+    def _lin_args(self, t: int) -> tuple[int, ...]:
+        term = self.r.u[t]
+        return term.args if term.op == "lin" else ()
+
+    def _scaled(self, t: int) -> bool:
+        term = self.r.u[t]
+        return term.op == "lin" and not self.r.in_reference(t) and any(c != 1 for c in term.attrs[0])
+
+    def _introducing(self, rank: int, node: Node, test) -> Node:
+        """The earliest ancestor of `node` on this rank whose value passes `test`."""
+        graph, terms = self.ranks[rank], self.run.ranks[rank]
+        for ancestor in _ancestors(graph, node):
+            if ancestor.op not in ("leaf", "const") and test(terms[ancestor.id]):
+                return ancestor
+        return node
+
+    def _piece_origin(self, rank: int, node: Node) -> Node | None:
+        """The op where a partial sum was created (a contraction or reduction over a shard)."""
+        terms = self.run.ranks[rank]
+        for ancestor in _ancestors(self.ranks[rank], node):
+            if ancestor.op not in LAYOUT_OPS and self.partial(terms[ancestor.id]):
+                return ancestor
+        return None
+
+    def _slice_source(self, rank: int, node: Node, ranges: list[tuple[int, int, Fraction]]) -> Node | None:
+        """On a rank whose share is not its own, the loader slice that picked that share."""
+        graph, terms = self.ranks[rank], self.run.ranks[rank]
+        for r, g in enumerate(self.ranks):
+            for ancestor in _ancestors(g, g[node.id] if node.id < len(g.nodes) else node):
+                if ancestor.op != "slice" or g[ancestor.inputs[0]].op != "leaf":
+                    continue
+                lo, hi = ancestor.attrs[1], ancestor.attrs[2]
+                width = hi - lo
+                if any((l, h) == (lo, hi) for l, h, _ in ranges) and lo != r * width:
+                    return ancestor
+        return None
+
+    def _unexplained(self, rank: int, node: Node) -> Finding:
+        return Finding(
+            "unknown",
+            "unknown",
+            f"could not relate `{node.op}` on rank {rank} to the reference: no rule applies to its operands "
+            f"({', '.join(self.r.u.render(self.run.ranks[rank][i], 2) for i in node.inputs)})",
+            [(rank, node)],
+            op=node.op,
+        )
+
+
+def _ancestors(graph: Graph, node: Node) -> list[Node]:
+    """`node` and everything it depends on, in execution order (earliest first)."""
+    seen = {node.id}
+    stack = [node.id]
+    while stack:
+        for i in graph[stack.pop()].inputs:
+            if i not in seen:
+                seen.add(i)
+                stack.append(i)
+    return [graph[i] for i in sorted(seen)]

@@ -1,0 +1,60 @@
+"""The verification report: verdict, figures, and where the programs part ways."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+EXIT_CODES = {"equivalent": 0, "discrepancy": 1, "unknown": 2}
+
+
+@dataclass
+class Site:
+    file: str
+    line: int
+    code: str
+    op: str
+    rank: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        if self.rank is None:
+            del data["rank"]
+        return data
+
+
+@dataclass
+class Report:
+    verdict: str
+    world_size: int
+    seconds: float
+    reference_ops: int
+    distributed_ops: int
+    diagnosis: str | None = None
+    reference: list[Site] = field(default_factory=list)
+    distributed: list[Site] = field(default_factory=list)
+    unknown: dict[str, str] | None = None
+    capture_seconds: float = 0.0
+    terms: int = 0
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODES[self.verdict]
+
+    def to_json(self) -> dict[str, Any]:
+        discrepancy = None
+        if self.verdict == "discrepancy":
+            discrepancy = {
+                "diagnosis": self.diagnosis,
+                "reference": [s.to_json() for s in self.reference],
+                "distributed": [s.to_json() for s in self.distributed],
+            }
+        return {
+            "verdict": self.verdict,
+            "world_size": self.world_size,
+            "seconds": round(self.seconds, 3),
+            "reference_ops": self.reference_ops,
+            "distributed_ops": self.distributed_ops,
+            "discrepancy": discrepancy,
+            "unknown": self.unknown,
+        }
