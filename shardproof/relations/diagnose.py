@@ -65,7 +65,7 @@ class Diagnoser:
     # --- entry --------------------------------------------------------------------------------------
     def diagnose(self, mismatched_outputs: list[tuple[int, int]]) -> Finding:
         """`mismatched_outputs`: (rank, output index) pairs whose value was not proven."""
-        divergence = self._first_divergence()
+        divergence = self._first_divergence(mismatched_outputs)
         if divergence is not None:
             rank, node = divergence
             if OPS[node.op].kind == "collective":
@@ -75,18 +75,34 @@ class Diagnoser:
         node = self.ranks[rank][self.ranks[rank].outputs[index]]
         return self._at_output(rank, node, index)
 
-    def _first_divergence(self) -> tuple[int, Node] | None:
+    def _bad(self, rank: int, node: Node) -> bool:
+        if node.op in ("leaf", "const"):
+            return False
+        t = self.run.ranks[rank][node.id]
+        collective = OPS[node.op].kind == "collective"
+        return not self.grounded(t) or (collective and not self.region_of_reference(t))
+
+    def _first_divergence(self, mismatched_outputs: list[tuple[int, int]]) -> tuple[int, Node] | None:
+        """The earliest op from which a chain of disagreeing ops reaches a mismatched output.
+
+        Intermediates the reference never computes (a vocab mask, say) are fine as long as a
+        rule absorbs them before they reach an output."""
         best: tuple[int, Node] | None = None
-        for rank, graph in enumerate(self.ranks):
-            for node in graph.nodes:
-                if node.op in ("leaf", "const"):
-                    continue
-                t = self.run.ranks[rank][node.id]
-                collective = OPS[node.op].kind == "collective"
-                if not self.grounded(t) or (collective and not self.region_of_reference(t)):
-                    if best is None or node.id < best[1].id:
-                        best = (rank, node)
-                    break
+        for rank, index in mismatched_outputs:
+            graph = self.ranks[rank]
+            start = graph[graph.outputs[index]]
+            if not self._bad(rank, start):
+                continue
+            seen, stack, earliest = {start.id}, [start], start
+            while stack:
+                node = stack.pop()
+                earliest = node if node.id < earliest.id else earliest
+                for i in node.inputs:
+                    if i not in seen and self._bad(rank, graph[i]):
+                        seen.add(i)
+                        stack.append(graph[i])
+            if best is None or (earliest.id, rank) < (best[1].id, best[0]):
+                best = (rank, earliest)
         return best
 
     # --- a sum over ranks that does not add up ------------------------------------------------------

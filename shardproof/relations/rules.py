@@ -131,9 +131,6 @@ class Rules:
             merged.append(p)
         if len(merged) == 1:
             return merged[0]
-        pulled = self._pull_box_from_cat(merged, dim)
-        if pulled is not None:
-            return pulled
         shape = list(self.shape(merged[0]))
         shape[dim] = sum(self.shape(p)[dim] for p in merged)
         return self.literal("cat", tuple(merged), (dim,), tuple(shape), self.u[merged[0]].dtype)
@@ -150,28 +147,6 @@ class Rules:
         box = tuple((ba[dim][0], bb[dim][1]) if d == dim else ba[d] for d in range(len(ba)))
         return self.slice(ra, box)
 
-    def _pull_box_from_cat(self, parts: list[int], dim: int) -> int | None:
-        """cat(X1[box], X2[box]) = cat(X1, X2)[box] when the box leaves the cat dim whole."""
-        box = self.find_box(parts[0])
-        if box is None:
-            return None
-        box = tuple((0, self.shape(parts[0])[dim]) if d == dim else r for d, r in enumerate(box))
-        root = self.u[self.root_of(parts[0])].shape
-        outer = tuple(r for d, r in enumerate(box) if d != dim)
-        if outer == tuple((0, s) for d, s in enumerate(root) if d != dim):
-            return None
-        unsliced = []
-        for p in parts:
-            p_box = tuple((0, self.shape(p)[dim]) if d == dim else r for d, r in enumerate(box))
-            g = tuple(self.shape(p)[dim] if d == dim else s for d, s in enumerate(root))
-            x = self.unslice(p, p_box, g)
-            if x is None:
-                return None
-            unsliced.append(x)
-        whole = self.cat(unsliced, dim)
-        total = self.shape(whole)[dim]
-        return self.slice(whole, tuple((0, total) if d == dim else r for d, r in enumerate(box)))
-
     def as_slice(self, t: int) -> tuple[int, Box]:
         term = self.u[t]
         if term.op == "slice":
@@ -179,7 +154,10 @@ class Rules:
         return t, full_box(term.shape)
 
     def as_region(self, t: int) -> tuple[int, Box]:
-        """(X, box) with X[box] == t, looking through lin/piece; (t, full box) if none shows."""
+        """(X, box) with X[box] == t, looking through lin/piece/cat; (t, full box) if none shows."""
+        term = self.u[t]
+        if term.op == "cat":
+            return self._cat_region(t)
         box = self.find_box(t)
         if box is not None:
             whole = self.unslice(t, box, self.shape(self.root_of(t)))
@@ -187,11 +165,22 @@ class Rules:
                 return whole, box
         return t, full_box(self.shape(t))
 
+    def _cat_region(self, t: int) -> tuple[int, Box]:
+        """cat(X1[box], X2[box]) = cat(X1, X2)[box] when the box leaves the cat dim whole."""
+        term = self.u[t]
+        dim = term.attrs[0]
+        regions = [self.as_region(p) for p in term.args]
+        first_root, first_box = regions[0]
+        box = tuple((0, term.shape[dim]) if d == dim else r for d, r in enumerate(first_box))
+        global_shape = tuple(term.shape[dim] if d == dim else s for d, s in enumerate(self.shape(first_root)))
+        whole = self.unslice(t, box, global_shape)
+        return (whole, box) if whole is not None else (t, full_box(term.shape))
+
     def root_of(self, t: int) -> int:
         term = self.u[t]
         if term.op == "slice":
             return term.args[0]
-        if term.op in ("lin", "piece") and term.args:
+        if term.op in ("lin", "piece", "cat") and term.args:
             return self.root_of(term.args[0])
         return t
 
@@ -208,6 +197,16 @@ class Rules:
                 relative = tuple((lo - rl, hi - rl) for (rl, _), (lo, hi) in zip(ref_box, box))
                 found.append((self.slice(whole, ref_box), relative))
         return found
+
+    def region_like(self, t: int, box: Box, global_shape: tuple[int, ...]) -> int | None:
+        """A term X of `global_shape` with X[box] == t, also over regions the reference sliced."""
+        whole = self.unslice(t, box, global_shape)
+        if whole is not None:
+            return whole
+        for root, region in self.regions(t)[1:]:
+            if region == box and self.shape(root) == tuple(global_shape):
+                return root
+        return None
 
     def find_box(self, t: int) -> Box | None:
         """The box of the first slice found at the top of `t` (through lin and piece)."""
@@ -227,8 +226,7 @@ class Rules:
             return t if self.shape(t) == tuple(global_shape) else None
         term = self.u[t]
         if term.op == "slice":
-            inner = term.args[0]
-            return inner if term.attrs[0] == box and self.shape(inner) == tuple(global_shape) else None
+            return self._unslice_slice(t, box, tuple(global_shape))
         if term.op == "lin":
             parts = [self.unslice(a, box, global_shape) for a in term.args]
             return None if None in parts else self.lin(list(zip(parts, term.attrs[0])))
@@ -241,7 +239,35 @@ class Rules:
             return self._unslice_bcast(t, box, tuple(global_shape))
         if term.op == "repeat":
             return self._unslice_repeat(t, box, tuple(global_shape))
+        if term.op == "cat":
+            dim = term.attrs[0]
+            if box[dim] != (0, global_shape[dim]) or global_shape[dim] != term.shape[dim]:
+                return None
+            parts = []
+            for p in term.args:
+                size = self.shape(p)[dim]
+                part_box = tuple((0, size) if d == dim else r for d, r in enumerate(box))
+                part_shape = tuple(size if d == dim else s for d, s in enumerate(global_shape))
+                parts.append(self.unslice(p, part_box, part_shape))
+            return None if None in parts else self.cat(parts, dim)
         return None
+
+    def _unslice_slice(self, t: int, box: Box, global_shape: tuple[int, ...]) -> int | None:
+        """P[b] seen inside a larger region: widen b on the dims the box restricts, keep the rest."""
+        term = self.u[t]
+        inner, region = term.args[0], term.attrs[0]
+        inner_shape = self.shape(inner)
+        widened = []
+        for d, ((lo, hi), (r_lo, r_hi)) in enumerate(zip(box, region)):
+            if (lo, hi) == (0, global_shape[d]) and hi == r_hi - r_lo:
+                widened.append((r_lo, r_hi))
+            elif (lo, hi) == (r_lo, r_hi) and global_shape[d] == inner_shape[d]:
+                widened.append((0, inner_shape[d]))
+            elif term.shape[d] == 1:
+                return self._unslice_block(t, 1, box, global_shape, d)
+            else:
+                return None
+        return self.slice(inner, tuple(widened))
 
     def _unslice_bcast(self, t: int, box: Box, global_shape: tuple[int, ...]) -> int | None:
         term = self.u[t]
@@ -464,11 +490,10 @@ class Rules:
         coefs: dict[int, Fraction] = {}
         for t, c in pairs:
             term = self.u[t]
-            if term.op == "lin":
-                for inner, ic in zip(term.args, term.attrs[0]):
-                    coefs[inner] = coefs.get(inner, Fraction(0)) + Fraction(c) * ic
-            else:
-                coefs[t] = coefs.get(t, Fraction(0)) + Fraction(c)
+            inner_pairs = zip(term.args, term.attrs[0]) if term.op == "lin" else [(t, Fraction(1))]
+            for inner, ic in inner_pairs:
+                inner, ic = self._unit_constant(inner, ic)
+                coefs[inner] = coefs.get(inner, Fraction(0)) + Fraction(c) * ic
         coefs = self._merge_pieces({t: c for t, c in coefs.items() if c != 0})
         items = sorted(coefs.items())
         if not items:
@@ -478,6 +503,14 @@ class Rules:
             return items[0][0]
         first = self.u[items[0][0]]
         return self.literal("lin", tuple(t for t, _ in items), (tuple(c for _, c in items),), first.shape, first.dtype)
+
+    def _unit_constant(self, t: int, c: Fraction) -> tuple[int, Fraction]:
+        """c * full(v) is (v*c) * full(1): constants of one shape merge into one term."""
+        term = self.u[t]
+        if term.op == "full" and _is_finite_number(term.attrs[0]) and term.attrs[0] != 1:
+            one = self.literal("full", (), (1.0 if term.dtype in FLOAT_DTYPES else 1,), term.shape, term.dtype)
+            return one, c * Fraction(term.attrs[0])
+        return t, c
 
     def _merge_pieces(self, coefs: dict[int, Fraction]) -> dict[int, Fraction]:
         """Pieces of one sum whose ranges tile the whole axis add up to the sum itself."""
@@ -546,13 +579,13 @@ def _is_finite_number(value: Any) -> bool:
 def _elementwise(r: Rules, op: str, args: tuple[int, ...], attrs: tuple, shape: tuple[int, ...], dtype: str) -> int:
     """Elementwise ops commute with slices, concatenation and broadcasting of all their operands."""
     for a in args:
-        root, box = r.as_region(a)
-        if root == a:
-            continue
-        global_shape = r.shape(root)
-        roots = [r.unslice(b, box, global_shape) for b in args]
-        if None not in roots:
-            return r.slice(r.build(op, tuple(roots), attrs, global_shape, dtype), box)
+        for root, box in r.regions(a):
+            if root == a:
+                continue
+            global_shape = r.shape(root)
+            roots = [r.region_like(b, box, global_shape) for b in args]
+            if None not in roots:
+                return r.slice(r.build(op, tuple(roots), attrs, global_shape, dtype), box)
     for a in args:
         term = r.u[a]
         if term.op == "cat":
@@ -725,7 +758,7 @@ def _align_batch(r: Rules, a: int, ra: int, box_a: Box, b: int, rb: int, box_b: 
         other_root, other_box = r.as_region(other)
         for root, box in r.regions(sliced)[: None if root_differs(r, sliced) else 0]:
             target = box[:-2] + other_box[-2:]
-            lifted = r.unslice(other, target, r.shape(root)[:-2] + r.shape(other_root)[-2:])
+            lifted = r.region_like(other, target, r.shape(root)[:-2] + r.shape(other_root)[-2:])
             if lifted is not None:
                 return (root, box, lifted, target) if sliced == a else (lifted, target, root, box)
     return ra, box_a, rb, box_b
@@ -771,7 +804,7 @@ def _masked_lookup(r: Rules, cond: int, when_true: int, when_false: int) -> int 
         return None
     weight, shifted = lookup.args
     root_w, box_w = r.as_region(weight)
-    if root_w == weight or any(b != (0, s) for b, s in zip(box_w[1:], r.shape(root_w)[1:])):
+    if any(b != (0, s) for b, s in zip(box_w[1:], r.shape(root_w)[1:])):
         return None
     lo, hi = box_w[0]
     outside = _outside_range(r, _unbroadcast(r, cond))
@@ -830,8 +863,8 @@ def _is_shift_of(r: Rules, shifted: int, ids: int, offset: int, cond: int) -> bo
     term = r.u[shifted]
     if term.op == "where" and _unbroadcast(r, term.args[0]) == _unbroadcast(r, cond):
         shifted = term.args[2]
-    expected = r.lin([(ids, Fraction(1)), (r.literal("full", (), (1,), r.shape(ids), r.u[ids].dtype), Fraction(offset))])
-    return shifted == expected
+    offset_term = r.literal("full", (), (offset,), r.shape(ids), r.u[ids].dtype)
+    return shifted == r.lin([(ids, Fraction(1)), (offset_term, Fraction(1))])
 
 
 def _keep_literal(r: Rules, op: str, args, attrs, shape, dtype) -> int:

@@ -1,0 +1,72 @@
+"""End to end on the bug corpus (tests/cases) and the examples: verdict, culprit line, kind of
+fault, and agreement with the numeric oracle (the verifier is checked, not the user)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from shardproof import verify
+from shardproof.case import load_case
+from shardproof.oracle import run_numeric
+
+CASES = Path(__file__).parent / "cases"
+EXAMPLES = Path(__file__).parent.parent / "examples"
+KIND_WORDS = {
+    "partial": "missing reduction",
+    "double-count": "double counting",
+    "scale": "wrong scale",
+    "layout": "wrong layout",
+}
+
+
+def _marker(path: Path, tag: str) -> tuple[int, str] | None:
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        found = re.search(rf"# {tag}(\((?P<kind>[a-z-]+)\))?", line)
+        if found:
+            return number, found["kind"] or ""
+    return None
+
+
+def _world_size(path: Path) -> int:
+    case = load_case(path)
+    return int(getattr(case.module, "BUG_WORLD_SIZE", case.world_size))
+
+
+def _checked(path: Path, world_size: int):
+    report = verify(path, world_size=world_size)
+    numbers = run_numeric(load_case(path), world_size)
+    if report.verdict == "equivalent":
+        assert numbers.agree, f"proven equivalent but the numbers differ: {numbers.detail}"
+    if report.verdict == "discrepancy":
+        assert not numbers.agree, f"discrepancy reported but the numbers agree: {report.diagnosis}"
+    return report, numbers
+
+
+@pytest.mark.parametrize("path", sorted(CASES.glob("*_buggy.py")), ids=lambda p: p.stem)
+def test_buggy_case_is_a_discrepancy_at_the_marked_line(path: Path) -> None:
+    line, kind = _marker(path, "BUG")
+    report, _ = _checked(path, _world_size(path))
+    assert report.verdict == "discrepancy", report.diagnosis
+    culprit = report.distributed[0] if report.distributed else report.reference[0]
+    assert (Path(culprit.file).name, culprit.line) == (path.name, line), report.diagnosis
+    assert KIND_WORDS[kind] in report.diagnosis
+
+
+@pytest.mark.parametrize(
+    "path", sorted([*CASES.glob("*_fixed.py"), *CASES.glob("*_lookalike.py")]), ids=lambda p: p.stem
+)
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_fixed_case_and_lookalike_are_proven(path: Path, world_size: int) -> None:
+    report, numbers = _checked(path, world_size)
+    assert numbers.agree
+    assert report.verdict == "equivalent", report.diagnosis
+
+
+@pytest.mark.parametrize("path", sorted(p for p in EXAMPLES.glob("*.py") if "def distributed(" in p.read_text()), ids=lambda p: p.stem)
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
+def test_example_is_proven(path: Path, world_size: int) -> None:
+    report, _ = _checked(path, world_size)
+    assert report.verdict == "equivalent", report.diagnosis
