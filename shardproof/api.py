@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -11,9 +13,13 @@ import torch
 from shardproof.capture.torch_capture import capture
 from shardproof.case import Case, load_case, normalize_output
 from shardproof.errors import UnsupportedOp
-from shardproof.ir.graph import Node
+from shardproof.ir.graph import Graph, Node
+from shardproof.oracle import run_numeric
 from shardproof.prove import prove
+from shardproof.relations.diagnose import Finding
 from shardproof.report.model import Report, Site
+
+NUMERIC_CHECK_LIMIT = 50_000_000  # reference state elements up to which a discrepancy is run numerically
 
 
 def verify(
@@ -50,6 +56,10 @@ def verify(
         return Report("unknown", n, time.perf_counter() - start, 0, 0, str(err), unknown={"op": err.op, "reason": str(err)})
     progress("proving")
     proof = prove(captured, case.output_layout())
+    if proof.finding is not None and proof.verdict == "discrepancy":
+        progress("confirming the discrepancy on random weights")
+        proof.finding = _confirmed(case, n, proof.finding, _state_elements(captured.reference))
+        proof.verdict = proof.finding.verdict
     report = Report(
         proof.verdict,
         n,
@@ -67,6 +77,31 @@ def verify(
         if finding.verdict == "unknown":
             report.unknown = {"op": finding.op or "", "reason": finding.message}
     return report
+
+
+def _confirmed(case: Case, world_size: int, finding: Finding, elements: int) -> Finding:
+    """Certify a discrepancy by running every rank and the reference on random weights.
+
+    Structural faults (a partial sum used unreduced, pieces that overlap, a term counted twice)
+    differ for almost all weights; a wrong-layout finding could also be a missing rule, so it
+    stands only if the numbers differ. Numbers that agree turn any finding into `unknown`."""
+    if elements > NUMERIC_CHECK_LIMIT:
+        if finding.kind == "wrong layout":
+            return replace(finding, verdict="unknown", message=f"{finding.message} (not confirmed: model too large to run)")
+        return finding
+    numbers = run_numeric(case, world_size)
+    if numbers.agree:
+        return replace(
+            finding,
+            verdict="unknown",
+            message=f"proof incomplete ({finding.message}); the programs agree numerically on random weights, "
+            "so a rewrite rule is probably missing",
+        )
+    return replace(finding, message=f"{finding.message} [confirmed numerically: {numbers.detail}]")
+
+
+def _state_elements(reference: Graph) -> int:
+    return sum(math.prod(n.shape) for n in reference.nodes if n.op == "leaf")
 
 
 def _site(node: Node, rank: int | None) -> Site:

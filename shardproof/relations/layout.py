@@ -91,14 +91,18 @@ def view_of_box(
                 pending_rows.append(gi[0])
             continue
         if pending_rows:
-            return None
-        if not restricted:
+            if restricted or len(pending_rows) > 1:
+                return None
+            d = pending_rows.pop()  # a selected row merged with the dims after it: their outer factor
+            inner_src = math.prod(local_src[k] for k in gi)
+        elif not restricted:
             free_ones.clear()
             continue
-        if restricted != [gi[0]]:
+        elif restricted != [gi[0]]:
             return None
-        d = gi[0]
-        inner_src = math.prod(local_src[k] for k in gi[1:])
+        else:
+            d = gi[0]
+            inner_src = math.prod(local_src[k] for k in gi[1:])
         lo, hi, size = box[d][0] * inner_src, box[d][1] * inner_src, global_src[d] * inner_src
         block = math.prod(local_dst[k] for k in gj)
         if ones_split and free_ones and hi - lo == block and lo % block == 0 and size % block == 0:

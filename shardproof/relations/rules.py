@@ -423,6 +423,8 @@ class Rules:
         if term.op == "bcast" and dim in term.attrs[0]:
             inner_dim = term.attrs[0].index(dim)
             return self.bcast(self.repeat(term.args[0], inner_dim, times), shape, term.attrs[0])
+        if term.op == "cat" and term.attrs[0] != dim:
+            return self.cat([self.repeat(p, dim, times) for p in term.args], term.attrs[0])
         return self.literal("repeat", (x,), (dim, times), shape, term.dtype)
 
     def _slice_repeat(self, x: int, box: Box) -> int | None:
