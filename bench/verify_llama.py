@@ -1,0 +1,207 @@
+"""Benchmark `shardproof.verify` on examples/llama_tp.py across world sizes and depths.
+
+Each configuration runs in a fresh spawned child process, so its peak RSS is its own.
+Run `python bench/verify_llama.py --help`; see bench/README.md for the columns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import multiprocessing as mp
+import resource
+import sys
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+CASE = Path(__file__).resolve().parents[1] / "examples" / "llama_tp.py"
+HEADERS = ["ws", "layers", "verdict", "capture s", "proof s", "total s", "peak MiB", "terms", "ref ops", "dist ops"]
+
+
+@dataclass
+class Row:
+    """One configuration's measurements; figures are None when it raised."""
+
+    world_size: int
+    layers: int
+    verdict: str
+    capture: float | None = None
+    proof: float | None = None
+    total: float | None = None
+    peak_mib: float | None = None
+    terms: int | None = None
+    reference_ops: int | None = None
+    distributed_ops: int | None = None
+    note: str | None = None
+
+    def cells(self) -> list[str]:
+        seconds = [_fmt(s, ".2f") for s in (self.capture, self.proof, self.total)]
+        counts = [_fmt(c, "d") for c in (self.terms, self.reference_ops, self.distributed_ops)]
+        return [str(self.world_size), str(self.layers), self.verdict, *seconds, _fmt(self.peak_mib, ".0f"), *counts]
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+# --------------------------------------------------------------------------------------------
+# child process
+
+
+def measure(world_size: int, layers: int, preset: str | None) -> dict[str, Any]:
+    """Verify one configuration in this process; return the Row fields."""
+    from shardproof.api import verify
+    from shardproof.case import load_case
+
+    case = load_case(CASE)
+    if preset is not None:
+        case.use_preset(preset)
+    case.module.CONFIG = dataclasses.replace(case.module.CONFIG, n_layers=layers)
+    report = verify(case, world_size=world_size)
+    return {
+        "verdict": report.verdict,
+        "capture": report.capture_seconds,
+        "proof": report.seconds - report.capture_seconds,
+        "total": report.seconds,
+        "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # Linux: KiB
+        "terms": report.terms,
+        "reference_ops": report.reference_ops,
+        "distributed_ops": report.distributed_ops,
+        "note": report.diagnosis,
+    }
+
+
+def _child(conn: Connection, world_size: int, layers: int, preset: str | None) -> None:
+    try:
+        conn.send(("ok", measure(world_size, layers, preset)))
+    except BaseException as err:  # noqa: BLE001 - every failure becomes the row's verdict
+        conn.send(("error", f"{type(err).__name__}: {err}"))
+    finally:
+        conn.close()
+
+
+# --------------------------------------------------------------------------------------------
+# parent process
+
+
+def run_configuration(world_size: int, layers: int, preset: str | None, timeout: float) -> Row:
+    """Measure one configuration in a fresh spawned process; failures become the row's verdict."""
+    ctx = mp.get_context("spawn")
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_child, args=(send, world_size, layers, preset))
+    child.start()
+    send.close()
+    if not receive.poll(timeout):
+        child.terminate()
+        child.join()
+        return Row(world_size, layers, "timeout", note=f"no result within {timeout:.0f} s")
+    try:
+        status, payload = receive.recv()
+    except EOFError:
+        status, payload = "crash", None
+    child.join()
+    if status == "crash":
+        return Row(world_size, layers, "crash", note=f"child exited with code {child.exitcode}")
+    if status == "error":
+        return Row(world_size, layers, "error", note=payload)
+    return Row(world_size, layers, **payload)
+
+
+def ratios(rows: list[Row]) -> list[tuple[str, str, str, str]]:
+    """(ratio, where, total-time ratio, proof-time ratio) for consecutive depths and extreme world sizes."""
+    timed = {(r.world_size, r.layers): r for r in rows if r.total is not None}
+    sizes = sorted({r.world_size for r in rows})
+    depths = sorted({r.layers for r in rows})
+    pairs = [
+        (f"time({b} layers) / time({a} layers)", f"ws {ws}", (ws, b), (ws, a))
+        for ws in sizes
+        for a, b in zip(depths, depths[1:])
+    ]
+    if len(sizes) > 1:
+        lo, hi = sizes[0], sizes[-1]
+        pairs += [(f"time(ws {hi}) / time(ws {lo})", f"{n} layers", (hi, n), (lo, n)) for n in depths]
+    return [(name, where, _ratio(timed, num, den, "total"), _ratio(timed, num, den, "proof")) for name, where, num, den in pairs]
+
+
+def _ratio(timed: dict[tuple[int, int], Row], num: tuple[int, int], den: tuple[int, int], field: str) -> str:
+    if num not in timed or den not in timed or not getattr(timed[den], field):
+        return "-"
+    return f"{getattr(timed[num], field) / getattr(timed[den], field):.2f}x"
+
+
+def render(headers: list[str], body: list[list[str]], markdown: bool) -> str:
+    """A plain table (numeric columns right-aligned, text left-aligned), or a markdown one."""
+    if markdown:
+        lines = [headers, ["---"] * len(headers), *body]
+        return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
+    columns = list(zip(headers, *body))
+    widths = [max(len(c) for c in column) for column in columns]
+    right = [all(_numeric(c) for c in column[1:]) for column in columns]
+    lines = [headers, ["-" * w for w in widths], *body]
+    return "\n".join(
+        "  ".join(c.rjust(w) if r else c.ljust(w) for c, w, r in zip(cells, widths, right)).rstrip() for cells in lines
+    )
+
+
+def _numeric(cell: str) -> bool:
+    return cell == "-" or cell.rstrip("x").replace(".", "", 1).isdigit()
+
+
+def notes(rows: list[Row]) -> list[str]:
+    """One line per distinct diagnosis/error, naming the configurations it applies to."""
+    by_note: dict[str, list[str]] = {}
+    for row in rows:
+        if row.note:
+            by_note.setdefault(row.note, []).append(f"ws{row.world_size}/L{row.layers}")
+    return [f"{', '.join(where)}: {note}" for note, where in by_note.items()]
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-sizes", type=_int_list, default=[2, 4, 8], help="comma-separated, default 2,4,8")
+    parser.add_argument("--layers", type=_int_list, default=[2, 8, 32], help="comma-separated, default 2,8,32")
+    parser.add_argument("--preset", help="a PRESETS entry of the case (e.g. llama3-8b); n_layers is overridden")
+    parser.add_argument("--markdown", action="store_true", help="emit markdown tables")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per configuration, default 900")
+    args = parser.parse_args(argv)
+    if args.preset is not None:
+        _check_preset(parser, args.preset)
+    return args
+
+
+def _check_preset(parser: argparse.ArgumentParser, preset: str) -> None:
+    """Fail before the sweep, not once per configuration, on an unknown preset."""
+    from shardproof.case import load_case
+    from shardproof.errors import CaseError
+
+    try:
+        load_case(CASE).use_preset(preset)
+    except CaseError as err:
+        parser.error(str(err))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    rows = []
+    for layers in args.layers:
+        for world_size in args.world_sizes:
+            rows.append(run_configuration(world_size, layers, args.preset, args.timeout))
+            print(f"ws={world_size} layers={layers}: {rows[-1].verdict}", file=sys.stderr, flush=True)
+    print(f"{CASE.name}, config {args.preset or 'CONFIG (small default)'} with n_layers overridden\n")
+    print(render(HEADERS, [row.cells() for row in rows], args.markdown) + "\n")
+    ratio_rows = [list(r) for r in ratios(rows)]
+    if ratio_rows:
+        print(render(["ratio", "at", "total", "proof"], ratio_rows, args.markdown))
+    lines = notes(rows)
+    if lines:
+        print("\nVerdict notes:\n" + "\n".join(f"- {line}" for line in lines))
+
+
+if __name__ == "__main__":
+    main()
