@@ -20,11 +20,12 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
-from torch.func import functional_call, functionalize
+from torch.func import functional_call
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from shardproof.capture.locations import anchor_user_code, locate
+from shardproof.capture.meshes import RealDeviceMeshes
 from shardproof.case import Case
 from shardproof.errors import CaptureError, ShardproofError
 from shardproof.ir.from_fx import Lowerer
@@ -83,7 +84,7 @@ def _trace(
     what: str, fn: Callable, leaves: list, leaf_names: list[str], reduce_ops: list[str], rank: int | None
 ) -> Graph:
     try:
-        gm = make_fx(functionalize(fn), tracing_mode="real", record_stack_traces=True)(*leaves)
+        gm = make_fx(fn, tracing_mode="real", record_stack_traces=True)(*leaves)
     except ShardproofError:
         raise
     except Exception as err:  # noqa: BLE001 - any tracing failure is reported with the user's frame
@@ -93,7 +94,8 @@ def _trace(
 
 def _build(what: str, fn: Callable[[], Any]) -> Any:
     try:
-        return fn()
+        with RealDeviceMeshes():
+            return fn()
     except ShardproofError:
         raise
     except Exception as err:  # noqa: BLE001

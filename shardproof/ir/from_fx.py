@@ -1,8 +1,13 @@
-"""Lower a functionalized aten FX graph (from make_fx) into the shardproof IR.
+"""Lower an aten FX graph (from make_fx) into the shardproof IR.
 
 Aten has hundreds of ops; most are spellings of a few meanings (t/transpose/permute are all
 `permute`, view/reshape/squeeze/unsqueeze/flatten are all `view`, ...). The table `_LOWER` maps
 each aten op to a small function that emits IR; an aten op missing from it raises UnsupportedOp.
+
+The graph is not functionalized (functionalize rejects DTensor's autograd.Functions). make_fx
+already routes every later read of a mutated tensor through the mutating node, so an in-place op
+lowers as its out-of-place meaning. The IR has no aliasing, though: a write into a tensor whose
+storage is also read later through an older node (its base, another view) raises UnsupportedOp.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from shardproof.errors import UnsupportedOp
 from shardproof.ir.graph import Graph, Location
@@ -42,6 +49,8 @@ class Lowerer:
         self.env: dict[fx.Node, Value] = {}
         self.current: fx.Node | None = None
         self._scalars: dict[tuple, int] = {}
+        self._order = {node: i for i, node in enumerate(gm.graph.nodes)}
+        self._sharing = _nodes_by_storage(gm.graph)
 
     # --- emitting -------------------------------------------------------------------------
     def emit(self, op: str, inputs: tuple[int, ...], attrs: tuple = (), shape=None, dtype=None) -> int:
@@ -107,14 +116,18 @@ class Lowerer:
         return obj  # process groups, reduce ops: consumed by collective lowerings
 
     def constant_tensor(self, tensor: torch.Tensor) -> int:
+        """A tensor baked into the graph; a fake one only has a value if fake mode kept it."""
         real = getattr(tensor, "constant", None)
         real = tensor if real is None and not _is_fake(tensor) else real
         if real is None:
-            raise UnsupportedOp("a tensor constant whose value is unknown under fake tensors")
-        if real.numel() == 1:
-            attrs = (("full", real.item()),)
-        else:
-            attrs = (("values", tuple(real.flatten().tolist())),)
+            raise UnsupportedOp(
+                f"tensor constant `{node_name(self.current)}` with no value under fake tensors (a tensor "
+                "attribute made in __init__ that is neither a parameter nor a buffer?)",
+                _at(self.locate(self.current)),
+            )
+        with unset_fake_temporarily():  # capture runs under FakeTensorMode, which would fake `real` again
+            values = real.flatten().tolist()
+        attrs = (("full", values[0]),) if len(values) == 1 else (("values", tuple(values)),)
         dtype = str(real.dtype).removeprefix("torch.")
         return self.graph.add("const", (), attrs, tuple(real.shape), dtype, node_name(self.current))
 
@@ -123,10 +136,30 @@ class Lowerer:
             container, index = node.args
             return self.env[container][index]
         key = _aten_key(node.target)
-        lower = _LOWER.get(key)
+        written = _written(node)
+        lower = _LOWER.get(key) or (_LOWER.get(key.removesuffix("_")) if written else None)
         if lower is None:
-            raise UnsupportedOp(key, _where(self.locate(node)))
-        return lower(self, *node.args, **node.kwargs)
+            raise UnsupportedOp(key, _at(self.locate(node)))
+        if written and not _only_metadata(node):
+            self.check_no_stale_alias(node, key, written)
+        kwargs = {k: v for k, v in node.kwargs.items() if v not in written}
+        return lower(self, *node.args, **kwargs)
+
+    def check_no_stale_alias(self, node: fx.Node, key: str, written: list[fx.Node]) -> None:
+        """After a write, a read through any older node sharing the storage would see stale data."""
+        here = self._order[node]
+        for storage in {_storage(w) for w in written} - {None}:
+            for alias in self._sharing[storage]:
+                if self._order[alias] >= here:
+                    continue
+                stale = [user for user in alias.users if self._order[user] > here]
+                if stale:
+                    raise UnsupportedOp(
+                        f"{key} writes into memory that `{alias.name}` shares and that is read again "
+                        f"afterwards{' at ' + _at(self.locate(stale[0])) if self.locate(stale[0]) else ''} "
+                        "(an in-place op on a view or on a viewed tensor; the IR has no aliasing)",
+                        _at(self.locate(node)),
+                    )
 
 
 def node_name(node: fx.Node | None) -> str:
@@ -139,8 +172,49 @@ def _is_fake(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, FakeTensor)
 
 
-def _where(loc: Location | None) -> str:
+def _at(loc: Location | None) -> str:
     return f"{loc.short()}  {loc.code}" if loc else ""
+
+
+def _storage(node: fx.Node) -> StorageWeakRef | None:
+    """The storage a node's value lives in: fake tensors keep real aliasing (views share it)."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return None
+    return StorageWeakRef(val.untyped_storage())
+
+
+def _nodes_by_storage(graph: fx.Graph) -> dict[StorageWeakRef, list[fx.Node]]:
+    sharing: dict[StorageWeakRef, list[fx.Node]] = {}
+    for node in graph.nodes:
+        storage = _storage(node)
+        if storage is not None:
+            sharing.setdefault(storage, []).append(node)
+    return sharing
+
+
+def _written(node: fx.Node) -> list[fx.Node]:
+    """The graph values an op writes into: `Tensor(a!)` arguments; for c10d collectives the first."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return []
+    if schema.name.startswith("c10d::") and schema.name.endswith("_"):
+        return _nodes_in(node.args[0])
+    written = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            written.extend(_nodes_in(value))
+    return written
+
+
+def _only_metadata(node: fx.Node) -> bool:
+    """In-place view ops (unsqueeze_, t_, ...) change a tensor's shape, never the shared data."""
+    return torch.Tag.inplace_view in getattr(node.target, "tags", ())
+
+
+def _nodes_in(value: Any) -> list[fx.Node]:
+    return [v for v in _flatten(value) if isinstance(v, fx.Node)]
 
 
 def _aten_key(target: Any) -> str:
@@ -207,7 +281,7 @@ def _slice(lo: Lowerer, x, dim: int = 0, start=None, end=None, step: int = 1) ->
     dim = _dim(dim, rank)
     size = lo.shape(value)[dim]
     if step != 1:
-        raise UnsupportedOp("slice with step != 1", _where(lo.locate(lo.current)))
+        raise UnsupportedOp("slice with step != 1", _at(lo.locate(lo.current)))
     start = 0 if start is None else (start + size if start < 0 else start)
     end = size if end is None else (end + size if end < 0 else end)
     return slice_value(lo, value, dim, start, end)
@@ -361,6 +435,34 @@ def _mean(lo: Lowerer, x, dims=None, keepdim: bool = False, **kwargs) -> int:
     return lo.emit("mul", (total, broadcast_to(lo, lo.scalar(1.0 / count), lo.shape(total))))
 
 
+def _layer_norm(lo: Lowerer, x, normalized_shape, weight=None, bias=None, eps: float = 1e-5) -> tuple:
+    """native_layer_norm as its arithmetic, so rules see (x - mean) * rsqrt(var + eps) * w + b."""
+    value = lo.tensor(x)
+    dims = tuple(range(len(lo.shape(value)) - len(normalized_shape), len(lo.shape(value))))
+    mean = _mean_of(lo, value, dims)
+    centered = _combine(lo, "add", value, lo.emit("neg", (mean,), (), lo.shape(mean), lo.dtype(mean)))
+    variance = _mean_of(lo, _combine(lo, "mul", centered, centered), dims)
+    shifted = _combine(lo, "add", variance, lo.scalar(float(eps)))
+    rstd = lo.emit("rsqrt", (shifted,), (), lo.shape(shifted), lo.dtype(shifted))
+    out = _combine(lo, "mul", centered, rstd)
+    for op, param in (("mul", weight), ("add", bias)):
+        if param is not None:
+            out = _combine(lo, op, out, lo.tensor(param))
+    return (out, mean, rstd)
+
+
+def _combine(lo: Lowerer, op: str, a: int, b: int) -> int:
+    """A broadcasting binary op on IR values, for lowerings that emit several nodes per FX node."""
+    shape = tuple(torch.broadcast_shapes(lo.shape(a), lo.shape(b)))
+    return lo.emit(op, (broadcast_to(lo, a, shape), broadcast_to(lo, b, shape)), (), shape, lo.dtype(a))
+
+
+def _mean_of(lo: Lowerer, value: int, dims: tuple[int, ...]) -> int:
+    shape = tuple(1 if d in dims else n for d, n in enumerate(lo.shape(value)))
+    total = lo.emit("sum", (value,), (dims, True), shape, lo.dtype(value))
+    return _combine(lo, "mul", total, lo.scalar(1.0 / max(1, math.prod(lo.shape(value)) // math.prod(shape))))
+
+
 def _softmax(op: str) -> Callable[..., int]:
     def lower(lo: Lowerer, x, dim: int, *args, **kwargs) -> int:
         value = lo.tensor(x)
@@ -462,7 +564,17 @@ def _mask(op: str) -> Callable[..., int]:
 
 
 def _copy(lo: Lowerer, dst, src, *args) -> int:
-    return broadcast_to(lo, lo.tensor(src), lo.shape(lo.tensor(dst)))
+    """`dst.copy_(src)` means src, cast to dst's dtype and broadcast to its shape."""
+    value, target = lo.tensor(src), lo.tensor(dst)
+    if lo.dtype(value) != lo.dtype(target):
+        value = lo.emit("convert", (value,), (lo.dtype(target),), lo.shape(value), lo.dtype(target))
+    return broadcast_to(lo, value, lo.shape(target))
+
+
+def _fill(lo: Lowerer, x, value) -> int:
+    if isinstance(value, fx.Node):
+        return _copy(lo, x, value)
+    return lo.emit("const", (), (("full", value),))
 
 
 # --- collectives ---------------------------------------------------------------------------------
@@ -561,6 +673,7 @@ _LOWER: dict[str, Callable[..., Value]] = {
     "aten.sum": _reduce("sum"),
     "aten.amax": _reduce("amax"),
     "aten.mean": _mean,
+    "aten.native_layer_norm": _layer_norm,
     "aten._softmax": _softmax("softmax"),
     "aten.softmax": _softmax("softmax"),
     "aten._log_softmax": _softmax("log_softmax"),
@@ -587,6 +700,8 @@ _LOWER: dict[str, Callable[..., Value]] = {
     "aten.triu": _mask("triu"),
     "aten.tril": _mask("tril"),
     "aten.copy": _copy,
+    "aten.fill": _fill,
+    "aten.zero": _filled(0),
     "c10d.allreduce_": _all_reduce_inplace,
     "c10d.allgather_": _all_gather_list,
     "c10d._allgather_base_": _all_gather_base,

@@ -271,7 +271,12 @@ class Diagnoser:
 
     def _scaled(self, t: int) -> bool:
         term = self.r.u[t]
-        return term.op == "lin" and not self.r.in_reference(t) and any(c != 1 for c in term.attrs[0])
+        return (
+            term.op == "lin"
+            and not self.r.in_reference(t)
+            and any(c != 1 for c in term.attrs[0])
+            and all(self.r.in_reference(a) for a in term.args)
+        )
 
     def _introducing(self, rank: int, node: Node, test) -> Node:
         """The earliest ancestor of `node` on this rank whose value passes `test`."""

@@ -76,10 +76,12 @@ def _one(universe: Universe, t: int, value, leaves: dict[str, torch.Tensor]) -> 
         return args[0].permute(attrs[0])
     if op == "bcast":
         dims = attrs[0]
-        base_view = [1] * len(shape)
-        for i, d in enumerate(dims):
-            base_view[d] = args[0].shape[i]
-        return args[0].reshape(base_view).expand(shape)
+        order = sorted(range(len(dims)), key=lambda i: dims[i])  # base dim i sits at output dim dims[i]
+        base = args[0].permute(order) if order != list(range(len(dims))) else args[0]
+        placed = [1] * len(shape)
+        for d in dims:
+            placed[d] = shape[d]
+        return base.reshape(placed).expand(shape)
     if op == "repeat":
         dim, times = attrs
         return torch.repeat_interleave(args[0], times, dim)

@@ -256,6 +256,11 @@ class Rules:
         """P[b] seen inside a larger region: widen b on the dims the box restricts, keep the rest."""
         term = self.u[t]
         inner, region = term.args[0], term.attrs[0]
+        for ref_box in self.reference_boxes.get(inner, ()):
+            inside = all(rl <= lo and hi <= rh for (rl, rh), (lo, hi) in zip(ref_box, region))
+            relative = tuple((lo - rl, hi - rl) for (rl, _), (lo, hi) in zip(ref_box, region))
+            if inside and relative == box and box_shape(ref_box) == global_shape:
+                return self.slice(inner, ref_box)
         inner_shape = self.shape(inner)
         widened = []
         for d, ((lo, hi), (r_lo, r_hi)) in enumerate(zip(box, region)):
@@ -683,14 +688,11 @@ def _reduce(r: Rules, op: str, args, attrs, shape, dtype) -> int:
             return r.slice(r.build(op, (root,), attrs, global_out, dtype), kept_box)
         if op == "sum" and len(reduced_restricted) == 1:
             d = reduced_restricted[0]
-            other_box = tuple((0, s) if k == d else b for k, b in enumerate(box))
-            partial_root = r.slice(root, other_box)
-            total = r.build(op, (partial_root,), attrs, shape, dtype) if partial_root != root else None
-            if total is None:
-                total = r.literal(op, (root,), attrs, global_out, dtype)
-                total = r.slice(total, kept_box)
+            size = r.shape(root)[d]
+            whole_d = r.slice(root, tuple((0, size) if k == d else b for k, b in enumerate(box)))
+            total = r.build(op, (whole_d,), attrs, shape, dtype)
             lo, hi = box[d]
-            return r.piece(total, ("sum", d, partial_root), lo, hi, r.shape(root)[d])
+            return r.piece(total, ("sum", d, root), lo, hi, size)
     return r.literal(op, (x,), attrs, shape, dtype)
 
 
