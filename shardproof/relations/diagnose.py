@@ -172,36 +172,110 @@ class Diagnoser:
         return self._wrong_operand(rank, node)
 
     def _wrong_operand(self, rank: int, node: Node) -> Finding:
-        terms = self.run.ranks[rank]
+        """The op has a reference twin; find the operand that holds the wrong data, and the
+        line that put it there (a runtime slice/reshape, or the checkpoint loader)."""
+        terms, ref_terms = self.run.ranks[rank], self.run.reference
         match = self._should_match(rank, node)
         if match is None:
             return self._unexplained(rank, node)
-        ref_terms = self.run.reference
-        for position, (d_in, r_in) in enumerate(zip(node.inputs, match.inputs)):
-            if self._consistent(terms[d_in], ref_terms[r_in]):
-                continue
-            culprit = self._walk_back(rank, self.ranks[rank][d_in], self.reference[r_in])
-            return Finding(
-                "discrepancy",
-                "wrong layout",
-                f"wrong layout: on rank {rank}, operand {position} of `{node.op}` is "
-                f"{self.r.u.render(terms[d_in], 3)} but the reference uses {self.r.u.render(ref_terms[r_in], 3)}",
-                [(rank, culprit), (rank, node)],
-                [match, self.reference[r_in]],
-            )
-        return self._unexplained(rank, node)
+        pairs = list(zip(node.inputs, match.inputs))
+        wrong = [p for p, (d, r) in enumerate(pairs) if not self._consistent(terms[d], ref_terms[r])]
+        if not wrong:
+            wrong = self._misaligned(rank, pairs)
+        if not wrong:
+            culprit = node if node.op in LAYOUT_OPS else self._loader_slice(rank, node) or node
+            what = f"`{node.op}` on rank {rank} rearranges its operands differently from the reference"
+            return Finding("discrepancy", "wrong layout", f"wrong layout: {what}", [(rank, culprit), (rank, node)], [match])
+        position = wrong[0]
+        d_in, r_in = pairs[position]
+        culprit = self._walk_back(rank, self.ranks[rank][d_in], self.reference[r_in])
+        if culprit.op == "slice":
+            culprit = self._loader_instead(rank, culprit) or culprit
+        elif culprit.op not in LAYOUT_OPS:
+            culprit = self._loader_slice(rank, culprit, unnatural=True) or culprit
+        return Finding(
+            "discrepancy",
+            "wrong layout",
+            f"wrong layout: on rank {rank}, operand {position} of `{node.op}` is "
+            f"{self.r.u.render(terms[d_in], 3)} but the reference uses {self.r.u.render(ref_terms[r_in], 3)}",
+            [(rank, culprit), (rank, node)],
+            [match, self.reference[r_in]],
+        )
+
+    def _misaligned(self, rank: int, pairs: list[tuple[int, int]]) -> list[int]:
+        """Operands that are each a region of the right value, but not the same region: the one
+        that is not this rank's natural chunk is the wrong one."""
+        boxes = []
+        for d, r in pairs:
+            d_root, d_box = self.r.as_region(self.run.ranks[rank][d])
+            r_root, r_box = self.r.as_region(self.run.reference[r])
+            if d_root != r_root or len(d_box) != len(r_box):
+                return []
+            boxes.append(tuple((lo - rl, hi - rl) for (lo, hi), (rl, _) in zip(d_box, r_box)))
+        if len(set(boxes)) < 2:
+            return []
+        n = len(self.ranks)
+        return [p for p, box in enumerate(boxes) if any(lo != rank * (hi - lo) for lo, hi in box if hi - lo < n * (hi - lo) and lo)]
+
+    def _loader_instead(self, rank: int, culprit: Node) -> Node | None:
+        """A runtime split that is right for a correctly loaded shard is not the bug when the
+        shard itself is wrong: the tensor it splits covers fewer of the reference's blocks than
+        the reference splits it into, or straddles them. Then the loader's slice is to blame."""
+        graph = self.ranks[rank]
+        split = self.run.ranks[rank][culprit.inputs[0]]
+        term = self.r.u[split]
+        parts = term.args if term.op == "cat" else (split,)
+        dim = culprit.attrs[0]
+        regions = [self.r.as_region(p) for p in parts]
+        roots = {root for root, _ in regions}
+        if len(roots) != 1:
+            return None
+        root = roots.pop()
+        blocks = sorted({b[dim] for b in self.r.reference_boxes.get(root, ()) if len(b) > dim})
+        if len(blocks) < 2:
+            return None
+        covered = set()
+        for _, box in regions:
+            inside = [blk for blk in blocks if blk[0] <= box[dim][0] and box[dim][1] <= blk[1]]
+            if not inside:
+                return self._loader_slice(rank, graph[culprit.inputs[0]])
+            covered.add(inside[0])
+        if len(covered) < len(blocks):
+            return self._loader_slice(rank, graph[culprit.inputs[0]])
+        return None
+
+    def _loader_slice(self, rank: int, node: Node, unnatural: bool = False) -> Node | None:
+        """The first op of the checkpoint loader (state-only slicing) that `node` depends on;
+        with `unnatural`, the first that does not take this rank's own chunk."""
+        graph = self.ranks[rank]
+        state_only: dict[int, bool] = {}
+        for ancestor in _ancestors(graph, node):
+            if ancestor.op == "leaf":
+                state_only[ancestor.id] = str(ancestor.attrs[0]).startswith("state:")
+            else:
+                state_only[ancestor.id] = bool(ancestor.inputs) and all(state_only.get(i, False) for i in ancestor.inputs)
+            if state_only[ancestor.id] and ancestor.op == "slice":
+                dim, lo, hi = ancestor.attrs
+                if not unnatural or lo != rank * (hi - lo):
+                    return ancestor
+        return None
 
     def _should_match(self, rank: int, node: Node) -> Node | None:
-        """The reference op of the same kind that shares the most operands with this one."""
+        """The reference op of the same kind that shares the most operands with this one:
+        an operand that is a region of the reference's counts 2, one over the same tensor 1."""
         terms = self.run.ranks[rank]
         best, best_score = None, 0
         for ref_node in self.reference.nodes:
             if ref_node.op != node.op or len(ref_node.inputs) != len(node.inputs):
                 continue
-            score = sum(
-                self._consistent(terms[d], self.run.reference[r]) for d, r in zip(node.inputs, ref_node.inputs)
-            )
-            if score > best_score:
+            score = 0
+            for d, r in zip(node.inputs, ref_node.inputs):
+                if self._consistent(terms[d], self.run.reference[r]):
+                    score += 2
+                elif self.r.root_of(terms[d]) == self.r.root_of(self.run.reference[r]):
+                    score += 1
+            score += 0.5 * _shape_compatible(node.shape, ref_node.shape)
+            if score > best_score and score >= 1:
                 best, best_score = ref_node, score
         return best
 
@@ -209,6 +283,9 @@ class Diagnoser:
         """The rank's value is the reference value or a region of it."""
         if dist_term == ref_term:
             return True
+        term = self.r.u[dist_term]
+        if term.op == "cat":
+            return all(self._consistent(p, ref_term) for p in term.args)
         return any(root == ref_term for root, _ in self.r.regions(dist_term)) or any(
             root == ref_root for root, _ in self.r.regions(dist_term) for ref_root, _ in self.r.regions(ref_term)
         ) and self._inside(dist_term, ref_term)
@@ -219,15 +296,33 @@ class Diagnoser:
         return d_root == r_root and all(rl <= dl and dh <= rh for (dl, dh), (rl, rh) in zip(d_box, r_box))
 
     def _walk_back(self, rank: int, dist_node: Node, ref_node: Node) -> Node:
-        """Up a chain of layout ops in step with the reference's chain, to the first wrong one."""
+        """Up the chain of layout and elementwise ops in step with the reference's chain, to the
+        first op whose inputs still hold the right data (and this rank's own chunk of it)."""
         graph, terms = self.ranks[rank], self.run.ranks[rank]
-        culprit = dist_node
-        while dist_node.op in LAYOUT_OPS and dist_node.op == ref_node.op and len(dist_node.inputs) == 1:
-            d_parent, r_parent = graph[dist_node.inputs[0]], self.reference[ref_node.inputs[0]]
-            if self._consistent(terms[d_parent.id], self.run.reference[r_parent.id]):
+        while dist_node.op == ref_node.op and (dist_node.op in LAYOUT_OPS or OPS[dist_node.op].kind == "unary"):
+            parents = [
+                (graph[d], self.reference[r])
+                for d, r in zip(dist_node.inputs, ref_node.inputs)
+                if not self._own_chunk(rank, terms[d], self.run.reference[r])
+            ]
+            if not parents:
                 return dist_node
-            culprit, dist_node, ref_node = d_parent, d_parent, r_parent
-        return culprit
+            dist_node, ref_node = parents[0]
+        return dist_node
+
+    def _own_chunk(self, rank: int, dist_term: int, ref_term: int) -> bool:
+        """A region of the reference value that is this rank's natural chunk of it."""
+        if not self._consistent(dist_term, ref_term):
+            return False
+        d_root, d_box = self.r.as_region(dist_term)
+        r_root, r_box = self.r.as_region(ref_term)
+        if d_root != r_root:
+            return True
+        for (lo, hi), (rl, rh) in zip(d_box, r_box):
+            width = hi - lo
+            if (lo, hi) != (rl, rh) and (lo - rl) != (rank % ((rh - rl) // width)) * width:
+                return False
+        return True
 
     # --- outputs that differ without any divergent op ---------------------------------------------------
     def _at_output(self, rank: int, node: Node, index: int) -> Finding:
@@ -316,6 +411,10 @@ class Diagnoser:
             [(rank, node)],
             op=node.op,
         )
+
+
+def _shape_compatible(local: tuple[int, ...], full: tuple[int, ...]) -> bool:
+    return len(local) == len(full) and all(f % l == 0 for l, f in zip(local, full) if l)
 
 
 def _ancestors(graph: Graph, node: Node) -> list[Node]:

@@ -180,7 +180,7 @@ class Rules:
         term = self.u[t]
         if term.op == "slice":
             return term.args[0]
-        if term.op in ("lin", "piece", "cat") and term.args:
+        if term.op in ("lin", "piece", "cat", "repeat", "bcast") and term.args:
             return self.root_of(term.args[0])
         return t
 
