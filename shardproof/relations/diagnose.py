@@ -179,7 +179,7 @@ class Diagnoser:
         if match is None:
             return self._unexplained(rank, node)
         pairs = list(zip(node.inputs, match.inputs))
-        wrong = [p for p, (d, r) in enumerate(pairs) if not self._consistent(terms[d], ref_terms[r])]
+        wrong = [p for p, (d, r) in enumerate(pairs) if not self._own_chunk(rank, terms[d], ref_terms[r])]
         if not wrong:
             wrong = self._misaligned(rank, pairs)
         if not wrong:
@@ -274,7 +274,7 @@ class Diagnoser:
                     score += 2
                 elif self.r.root_of(terms[d]) == self.r.root_of(self.run.reference[r]):
                     score += 1
-            score += 0.5 * _shape_compatible(node.shape, ref_node.shape)
+            score += 1.5 * _shape_compatible(node.shape, ref_node.shape)
             if score > best_score and score >= 1:
                 best, best_score = ref_node, score
         return best
@@ -314,6 +314,8 @@ class Diagnoser:
         """A region of the reference value that is this rank's natural chunk of it."""
         if not self._consistent(dist_term, ref_term):
             return False
+        if self.r.u[dist_term].op == "cat" and self.r.u[ref_term].op != "cat":
+            return False  # scattered pieces where the reference has one block
         d_root, d_box = self.r.as_region(dist_term)
         r_root, r_box = self.r.as_region(ref_term)
         if d_root != r_root:
