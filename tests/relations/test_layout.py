@@ -194,8 +194,8 @@ def test_view_of_box_finds_head_splits(batch, heads, head_dim, seq, data):
 @SETTINGS
 @given(st.integers(2, 4), st.integers(1, 3), st.integers(1, 3), st.data())
 def test_view_of_box_finds_merges_of_an_outer_range(a, m, n, data):
-    lo = data.draw(st.integers(0, a - 2))
-    hi = data.draw(st.integers(lo + 2, a))
+    lo = data.draw(st.integers(0, a - 1))
+    hi = data.draw(st.integers(lo + 1, a))
     src, box = (a, m, n), ((lo, hi), (0, m), (0, n))
     for dst in (((hi - lo) * m * n,), ((hi - lo) * m, n)):
         assert _check_view_of_box(src, box, dst, ones_split=False)
