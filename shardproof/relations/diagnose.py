@@ -169,7 +169,31 @@ class Diagnoser:
                 [(rank, origin), (rank, node)] if origin is not None else [(rank, node)],
                 op=node.op,
             )
+        for i in node.inputs:
+            axes = self._wrong_axis(terms[i])
+            if axes is not None:
+                return Finding(
+                    "discrepancy",
+                    "wrong axis",
+                    f"wrong layout (wrong axis): shards split along dim {axes[1]} are concatenated along dim "
+                    f"{axes[0]} before `{node.op}`",
+                    [(rank, self.ranks[rank][i]), (rank, node)],
+                )
         return self._wrong_operand(rank, node)
+
+    def _wrong_axis(self, t: int) -> tuple[int, int] | None:
+        """(cat dim, split dim) when a cat joins regions of one tensor cut along another dim."""
+        term = self.r.u[t]
+        if term.op != "cat":
+            return None
+        regions = [self.r.as_region(p) for p in term.args]
+        if len({root for root, _ in regions}) != 1:
+            return None
+        boxes = [box for _, box in regions]
+        differing = {d for d in range(len(boxes[0])) if len({b[d] for b in boxes}) > 1}
+        if len(differing) == 1 and term.attrs[0] not in differing:
+            return term.attrs[0], differing.pop()
+        return None
 
     def _wrong_operand(self, rank: int, node: Node) -> Finding:
         """The op has a reference twin; find the operand that holds the wrong data, and the
@@ -189,7 +213,9 @@ class Diagnoser:
         position = wrong[0]
         d_in, r_in = pairs[position]
         culprit = self._walk_back(rank, self.ranks[rank][d_in], self.reference[r_in])
-        if culprit.op == "slice":
+        if node.op in LAYOUT_OPS and self._blocks_in_own_chunks(rank, terms[d_in]):
+            culprit = node  # the right data, read with the wrong layout
+        elif culprit.op == "slice":
             culprit = self._loader_instead(rank, culprit) or culprit
         elif culprit.op not in LAYOUT_OPS:
             culprit = self._loader_slice(rank, culprit, unnatural=True) or culprit
@@ -216,6 +242,28 @@ class Diagnoser:
             return []
         n = len(self.ranks)
         return [p for p, box in enumerate(boxes) if any(lo != rank * (hi - lo) for lo, hi in box if hi - lo < n * (hi - lo) and lo)]
+
+    def _blocks_in_own_chunks(self, rank: int, t: int) -> bool:
+        """A cat whose every part is this rank's own chunk of one of the blocks the reference
+        splits their common tensor into (its q, k and v, say): the shard holds the right data."""
+        term = self.r.u[t]
+        if term.op != "cat":
+            return False
+        regions = [self.r.as_region(p) for p in term.args]
+        roots = {root for root, _ in regions}
+        if len(roots) != 1:
+            return False
+        blocks = self.r.reference_boxes.get(roots.pop(), ())
+        for _, box in regions:
+            owners = [b for b in blocks if all(bl <= lo and hi <= bh for (lo, hi), (bl, bh) in zip(box, b))]
+            if not any(
+                (lo - bl) == (rank % ((bh - bl) // (hi - lo))) * (hi - lo)
+                for b in owners
+                for (lo, hi), (bl, bh) in zip(box, b)
+                if (lo, hi) != (bl, bh)
+            ):
+                return False
+        return True
 
     def _loader_instead(self, rank: int, culprit: Node) -> Node | None:
         """A runtime split that is right for a correctly loaded shard is not the bug when the
