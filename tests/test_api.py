@@ -24,20 +24,18 @@ KIND_WORDS = {
 
 # Capabilities not there yet, each a strict xfail so the list shrinks as they land.
 KNOWN_GAPS = {
-    "allgather-wrong-dim_buggy": "a gather along the wrong dim is reported unknown, not as a wrong axis",
     "bsh-transpose_buggy": "no rule moves permutes out of computations done in (seq, batch, hidden) layout",
     "bsh-transpose_fixed": "no rule moves permutes out of computations done in (seq, batch, hidden) layout",
     "fused-naive-concat_buggy": "the culprit is the reference-side fused layout; localization blames the rank",
-    "internlm2-split-qkv_buggy": "localization points at the runtime view's input instead of the view",
+    "internlm2-split-qkv_buggy": "localization blames the loader: the reference's interleaved q/k/v groups are not seen as blocks",
     "vocab-ce-label-smoothing_buggy": "no rule for aten.gather (label lookup in cross entropy)",
     "vocab-ce-label-smoothing_fixed": "no rule for aten.gather (label lookup in cross entropy)",
-    "sp-scatter-allgather_lookalike": "sequence-parallel scatter/gather look-alike not proven yet",
 }
 
 
-def _known_gap(path: Path, world_size: int = 0) -> list:
+def _known_gap(path: Path) -> list:
     reason = KNOWN_GAPS.get(path.stem)
-    if reason is None or (path.stem.startswith("sp-scatter") and world_size == 1):
+    if reason is None:
         return []
     return [pytest.mark.xfail(strict=True, reason=reason)]
 
@@ -45,7 +43,7 @@ def _known_gap(path: Path, world_size: int = 0) -> list:
 def _params(paths: list[Path], world_sizes: list[int] | None = None) -> list:
     if world_sizes is None:
         return [pytest.param(p, marks=_known_gap(p), id=p.stem) for p in paths]
-    return [pytest.param(p, n, marks=_known_gap(p, n), id=f"{p.stem}-{n}") for p in paths for n in world_sizes]
+    return [pytest.param(p, n, marks=_known_gap(p), id=f"{p.stem}-{n}") for p in paths for n in world_sizes]
 
 
 def _marker(path: Path, tag: str) -> tuple[int, str] | None:

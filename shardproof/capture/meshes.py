@@ -1,23 +1,33 @@
-"""Device meshes built on real tensors while the models themselves are built on fake ones.
+"""DeviceMesh under capture: built on real tensors, and one identity per simulated rank.
 
 A DeviceMesh keeps its rank map as a tensor and reads it back with `.tolist()`; under
 FakeTensorMode that read is data-dependent and fails. The rank map is a handful of ints, so the
 torch calls issued by torch's own mesh code run with fake mode unset, whichever way the user makes
 the mesh (`init_device_mesh`, `DeviceMesh(...)`, slicing, flattening). Everything else, parameters
 included, stays fake: nothing of the model's size is allocated.
+
+Capture simulates every rank in one process, one after another. Meshes of different ranks compare
+equal (equality ignores the rank), so DTensor's caches (sharding propagation, redistribute plans)
+would hand rank 1 specs holding rank 0's mesh, and with it rank 0's coordinate: rank 1 would then
+trace rank 0's shards. torch separates the ranks of its threaded process group by stamping each
+mesh with its thread id; `distinct_meshes` stamps each simulated rank's meshes the same way.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch.distributed._mesh_layout as mesh_layout
 import torch.distributed.device_mesh as device_mesh
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 
 _MESH_FILES = frozenset({device_mesh.__file__, mesh_layout.__file__})
+_SESSIONS = itertools.count(1)
 
 
 class RealDeviceMeshes(TorchFunctionMode):
@@ -38,3 +48,20 @@ def _called_from_mesh_code() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+@contextlib.contextmanager
+def distinct_meshes() -> Iterator[None]:
+    """Meshes made inside compare unequal to every mesh made outside (see the module docstring)."""
+    stamp = -next(_SESSIONS)  # thread ids are positive: never equal to a threaded-backend mesh
+    original = DeviceMesh.__init__
+
+    def init(self: DeviceMesh, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        self._thread_id = stamp
+
+    DeviceMesh.__init__ = init
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__ = original

@@ -25,7 +25,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from shardproof.capture.locations import anchor_user_code, locate
-from shardproof.capture.meshes import RealDeviceMeshes
+from shardproof.capture.meshes import RealDeviceMeshes, distinct_meshes
 from shardproof.case import Case
 from shardproof.errors import CaptureError, ShardproofError
 from shardproof.ir.from_fx import Lowerer
@@ -121,7 +121,8 @@ def _process_group(rank: int, world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        yield
+        with distinct_meshes():
+            yield
     finally:
         dist.destroy_process_group()
 

@@ -120,10 +120,11 @@ class Lowerer:
         real = getattr(tensor, "constant", None)
         real = tensor if real is None and not _is_fake(tensor) else real
         if real is None:
+            users = list(self.current.users) if self.current is not None else []
             raise UnsupportedOp(
-                f"tensor constant `{node_name(self.current)}` with no value under fake tensors (a tensor "
-                "attribute made in __init__ that is neither a parameter nor a buffer?)",
-                _at(self.locate(self.current)),
+                "a tensor constant whose value fake tensors do not know (a tensor attribute made in "
+                "__init__ that is neither a parameter nor a buffer? register it as a buffer)",
+                _at(self.locate(users[0])) if users else "",
             )
         with unset_fake_temporarily():  # capture runs under FakeTensorMode, which would fake `real` again
             values = real.flatten().tolist()
@@ -142,7 +143,7 @@ class Lowerer:
             raise UnsupportedOp(key, _at(self.locate(node)))
         if written and not _only_metadata(node):
             self.check_no_stale_alias(node, key, written)
-        kwargs = {k: v for k, v in node.kwargs.items() if v not in written}
+        kwargs = {k: v for k, v in node.kwargs.items() if v not in written}  # out= holds a result, not an operand
         return lower(self, *node.args, **kwargs)
 
     def check_no_stale_alias(self, node: fx.Node, key: str, written: list[fx.Node]) -> None:
@@ -154,11 +155,11 @@ class Lowerer:
                     continue
                 stale = [user for user in alias.users if self._order[user] > here]
                 if stale:
+                    read = _at(self.locate(stale[0])) or ("the output" if stale[0].op == "output" else stale[0].name)
                     raise UnsupportedOp(
-                        f"{key} writes into memory that `{alias.name}` shares and that is read again "
-                        f"afterwards{' at ' + _at(self.locate(stale[0])) if self.locate(stale[0]) else ''} "
-                        "(an in-place op on a view or on a viewed tensor; the IR has no aliasing)",
-                        _at(self.locate(node)),
+                        f"in-place {key} on aliased memory",
+                        f"{_at(self.locate(node))} (`{alias.name}` shares that memory and is read again at "
+                        f"{read}; shardproof's IR has no aliasing: write out of place instead)",
                     )
 
 

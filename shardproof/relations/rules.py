@@ -158,12 +158,31 @@ class Rules:
         term = self.u[t]
         if term.op == "cat":
             return self._cat_region(t)
-        box = self.find_box(t)
-        if box is not None:
-            whole = self.unslice(t, box, self.shape(self.root_of(t)))
+        hint = self._region_hint(t)
+        if hint is not None:
+            whole = self.unslice(t, *hint)
             if whole is not None:
-                return whole, box
+                return whole, hint[0]
         return t, full_box(self.shape(t))
+
+    def _region_hint(self, t: int) -> tuple[Box, tuple[int, ...]] | None:
+        """(box, global shape) of the first slice at the top of `t`, through lin, piece, bcast."""
+        term = self.u[t]
+        if term.op == "slice":
+            return term.attrs[0], self.shape(term.args[0])
+        if term.op in ("lin", "piece"):
+            for a in term.args:
+                hint = self._region_hint(a)
+                if hint is not None:
+                    return hint
+        if term.op == "bcast":
+            hint = self._region_hint(term.args[0])
+            if hint is not None:
+                box, global_shape = list(full_box(term.shape)), list(term.shape)
+                for i, d in enumerate(term.attrs[0]):
+                    box[d], global_shape[d] = hint[0][i], hint[1][i]
+                return tuple(box), tuple(global_shape)
+        return None
 
     def _cat_region(self, t: int) -> tuple[int, Box]:
         """cat(X1[box], X2[box]) = cat(X1, X2)[box] when the box leaves the cat dim whole."""
@@ -191,7 +210,9 @@ class Rules:
         if whole == t:
             return [(t, box)]
         found = [(whole, box)]
-        for ref_box in sorted(self.reference_boxes.get(self.root_of(t), ())):
+        root = self.root_of(t)
+        known = self.reference_boxes.get(root, ()) if self.shape(root) == self.shape(whole) else ()
+        for ref_box in sorted(known):
             inside = all(rl <= lo and hi <= rh for (rl, rh), (lo, hi) in zip(ref_box, box))
             if inside and ref_box != box:
                 relative = tuple((lo - rl, hi - rl) for (rl, _), (lo, hi) in zip(ref_box, box))
@@ -206,18 +227,6 @@ class Rules:
         for root, region in self.regions(t)[1:]:
             if region == box and self.shape(root) == tuple(global_shape):
                 return root
-        return None
-
-    def find_box(self, t: int) -> Box | None:
-        """The box of the first slice found at the top of `t` (through lin and piece)."""
-        term = self.u[t]
-        if term.op == "slice":
-            return term.attrs[0]
-        if term.op in ("lin", "piece"):
-            for a in term.args:
-                found = self.find_box(a)
-                if found is not None:
-                    return found
         return None
 
     def unslice(self, t: int, box: Box, global_shape: tuple[int, ...]) -> int | None:
