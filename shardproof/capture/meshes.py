@@ -42,6 +42,7 @@ class RealDeviceMeshes(TorchFunctionMode):
 
 
 def _called_from_mesh_code() -> bool:
+    """Mesh code anywhere up the stack: its direct callee may be another mode (torch.device(...))."""
     frame = sys._getframe(2)
     while frame is not None:
         if frame.f_code.co_filename in _MESH_FILES:
