@@ -76,20 +76,21 @@ def view_of_box(
     out_shape = list(local_dst)
     out_box = [(0, s) for s in local_dst]
     free_ones: list[int] = []  # size-1 destination dims not yet given a restriction
-    pending_rows: list[int] = []  # restricted size-1 source dims waiting for a destination
+    pending: list[int] = []  # size-1 source dims waiting for a size-1 destination, in order
     for gi, gj in groups:
+        restricted = [d for d in gi if box[d] != (0, global_src[d])]
         if not gi:
-            if pending_rows:
-                d = pending_rows.pop(0)
+            if pending:
+                d = pending.pop(0)
                 out_shape[gj[0]], out_box[gj[0]] = global_src[d], box[d]
             else:
                 free_ones.append(gj[0])
             continue
-        restricted = [d for d in gi if box[d] != (0, global_src[d])]
         if not gj:
-            if restricted:
-                pending_rows.append(gi[0])
+            pending.append(gi[0])
             continue
+        pending_rows = [d for d in pending if box[d] != (0, global_src[d])]
+        pending.clear()
         if pending_rows:
             if restricted or len(pending_rows) > 1:
                 return None
@@ -116,6 +117,6 @@ def view_of_box(
             return None
         out_shape[gj[0]] = size // inner_dst
         out_box[gj[0]] = (lo // inner_dst, hi // inner_dst)
-    if pending_rows:
+    if any(box[d] != (0, global_src[d]) for d in pending):
         return None
     return tuple(out_shape), tuple(out_box)

@@ -307,8 +307,6 @@ class Rules:
         several query heads (and ranks) share one kv head. How many rows K has is not visible
         locally; among the candidates take the one the reference already built."""
         source, row_box = self.as_region(row)
-        if source == row or self.shape(source)[dim] == 1:
-            return None
         j = row_box[dim][0]
         lo, hi = box[dim]
         for times in range(max(count, 2), global_shape[dim] + 1):
@@ -361,46 +359,48 @@ class Rules:
     def _view_bcast(self, x: int, shape: tuple[int, ...]) -> int | None:
         """Reshape a broadcast group by group. Groups of kept dims reshape the base (taking a
         size-1 dim just before them along); a kept dim merged with broadcast dims after it, or a
-        kept size-1 dim followed by a broadcast dim, is a repeat (GQA's repeat_kv)."""
+        kept size-1 dim followed by broadcast dims merged into one, is a repeat (GQA's repeat_kv);
+        other size-1 dims pair up in order."""
         term = self.u[x]
         kept = set(term.attrs[0])
         groups = reshape_groups(term.shape, shape)
         if groups is None:
             return None
+        rows = {}  # destination dim -> the kept size-1 source dim it repeats
+        for gi, gj in groups:
+            if gi and len(gj) == 1 and not kept & set(gi):
+                before = gi[0] - 1
+                if before in kept and term.shape[before] == 1 and before not in rows.values():
+                    rows[gj[0]] = before
         dims: list[int] = []
         base_shape: list[int] = []
         repeats: list[tuple[int, int]] = []
         free_ones: list[int] = []
-        pending_row = False
+        pending: list[int] = []  # size-1 source dims still to pair with size-1 destinations
         for gi, gj in groups:
-            mine = [d for d in gi if d in kept]
             if not gi:
-                if pending_row:
-                    dims.append(gj[0])
-                    base_shape.append(1)
-                    pending_row = False
+                if pending:
+                    if pending.pop(0) in kept:
+                        dims.append(gj[0])
+                        base_shape.append(1)
                 else:
                     free_ones.append(gj[0])
                 continue
             if not gj:
-                if mine:
-                    if pending_row:
-                        return None
-                    pending_row = True
+                if gi[0] not in rows.values():
+                    pending.append(gi[0])
                 continue
-            if pending_row:
-                if mine or len(gj) != 1:
-                    return None
+            if kept & set(pending):
+                return None
+            pending.clear()
+            mine = [d for d in gi if d in kept]
+            if gj[0] in rows:
                 dims.append(gj[0])
                 base_shape.append(1)
                 repeats.append((gj[0], shape[gj[0]]))
-                pending_row = False
-                free_ones.clear()
-                continue
-            if not mine:
-                free_ones.clear()
-                continue
-            if mine == gi:
+            elif not mine:
+                pass
+            elif mine == gi:
                 dims.extend(free_ones + gj)
                 base_shape.extend([1] * len(free_ones) + [shape[d] for d in gj])
             elif mine == gi[:1] and len(gj) == 1:
@@ -410,7 +410,7 @@ class Rules:
             else:
                 return None
             free_ones.clear()
-        if pending_row:
+        if kept & set(pending):
             return None
         base = self.view(term.args[0], tuple(base_shape))
         inner_shape = list(shape)

@@ -405,13 +405,6 @@ def test_gqa_rank_holding_one_kv_head_matches_the_reference(kv, rep, data):
         assert y.term == reference.term or b.is_slice_of(y, reference)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="gap: Rules._unslice_block only lifts repeat(row) when the row is a visible region of a "
-    "larger tensor (as_region(row) != row); with one kv head k is whole, so repeat(k, 1, 2) is not "
-    "seen as repeat(k, 1, 4)[:, 0:2]",
-)
 def test_mqa_rank_with_a_whole_k_matches_the_reference():
     b = Build()
     q, k = b.leaf("q", (2, 4, 3, 2)), b.leaf("k", (2, 1, 3, 2))
@@ -422,16 +415,6 @@ def test_mqa_rank_with_a_whole_k_matches_the_reference():
     assert b.is_slice_of(y, reference)
 
 
-SIZE_ONE_BUG = (
-    "Rules._view_bcast: reshape_groups puts every size-1 source dim in a group of its own ahead of "
-    "the size-1 destination dims, and _view_bcast takes a kept size-1 source dim in such a group "
-    "for a repeat row (`pending_row`); a second one in a row gives up (returns None). So with two "
-    "adjacent size-1 dims a view of a broadcast stays a literal view: squeeze(unsqueeze(x)) != x "
-    "and repeat_kv is not recognized as a repeat (MQA at batch 1, or seq == head_dim == 1)"
-)
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=SIZE_ONE_BUG)
 @pytest.mark.parametrize("shape", [(1, 1, 3), (2, 1, 1), (1, 1, 2, 2)])
 def test_squeeze_of_unsqueeze_with_adjacent_size_one_dims(shape):
     b = Build()
@@ -442,7 +425,6 @@ def test_squeeze_of_unsqueeze_with_adjacent_size_one_dims(shape):
     assert back.term == x.term
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=SIZE_ONE_BUG)
 @pytest.mark.parametrize(
     "dims", [(1, 1, 2, 3, 2), (2, 2, 2, 1, 1), (2, 1, 2, 1, 2)], ids=["mqa-batch1", "seq1-dim1", "kv1-seq1"]
 )
@@ -456,7 +438,6 @@ def test_repeat_kv_is_a_repeat_with_adjacent_size_one_dims(dims):
     assert term.op == "repeat" and term.args[0] == k.term and term.attrs == (1, rep)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=SIZE_ONE_BUG)
 def test_mqa_batch_one_rank_scores_are_a_slice_of_the_reference():
     """MQA (one kv head) at batch 1: each rank repeats the shared k for its own query heads; the
     reference repeats it for all heads. A correct program, reported different (a false alarm)."""
