@@ -367,11 +367,16 @@ class Rules:
         if groups is None:
             return None
         rows = {}  # destination dim -> the kept size-1 source dim it repeats
+        unpaired: list[int] = []  # size-1 source dims not yet paired with a size-1 destination
         for gi, gj in groups:
-            if gi and len(gj) == 1 and not kept & set(gi):
-                before = gi[0] - 1
-                if before in kept and term.shape[before] == 1 and before not in rows.values():
-                    rows[gj[0]] = before
+            if not gi:
+                unpaired = unpaired[1:]
+            elif not gj:
+                unpaired.append(gi[0])
+            else:
+                if len(gj) == 1 and not kept & set(gi) and unpaired and unpaired[-1] in kept:
+                    rows[gj[0]] = unpaired[-1]
+                unpaired = []
         dims: list[int] = []
         base_shape: list[int] = []
         repeats: list[tuple[int, int]] = []
