@@ -26,8 +26,6 @@ KIND_WORDS = {
 KNOWN_GAPS = {
     "bsh-transpose_buggy": "no rule moves permutes out of computations done in (seq, batch, hidden) layout",
     "bsh-transpose_fixed": "no rule moves permutes out of computations done in (seq, batch, hidden) layout",
-    "fused-naive-concat_buggy": "the culprit is the reference-side fused layout; localization blames the rank",
-    "internlm2-split-qkv_buggy": "localization blames the loader: the reference's interleaved q/k/v groups are not seen as blocks",
     "vocab-ce-label-smoothing_buggy": "no rule for aten.gather (label lookup in cross entropy)",
     "vocab-ce-label-smoothing_fixed": "no rule for aten.gather (label lookup in cross entropy)",
 }

@@ -27,34 +27,36 @@ from shardproof.relations.universe import Term, Universe
 
 ATOMS = {"leaf", "full", "const", "piece"}
 LINEAR_OPS = {"sum", "slice", "view", "permute", "bcast", "repeat"}
-MAX_ENODES = 200_000  # stop saturating once the e-graph is this big: expansion is exponential
+MATCH_LIMIT = 10_000  # back-off: a rule matching more often sits out, so growth stays bounded
 BATCH = 100  # commands per parse: one huge program parses slowly, one per call pays overhead
 
 RULES = """
 (datatype* (E (Node i64) (Add E E) (Scale BigRat E) (Mul E E) (MatMul E E) (App i64 Args))
            (Args (Nil) (Cons E Args)))
 (relation Linear (i64))
-(rewrite (Add x y) (Add y x))
-(birewrite (Add (Add x y) z) (Add x (Add y z)))
-(rewrite (Mul x y) (Mul y x))
-(birewrite (Mul (Mul x y) z) (Mul x (Mul y z)))
-(rewrite (Mul (Add x y) z) (Add (Mul x z) (Mul y z)))
-(rewrite (Mul (Scale c x) y) (Scale c (Mul x y)))
-(rewrite (MatMul (Add x y) w) (Add (MatMul x w) (MatMul y w)))
-(rewrite (MatMul w (Add x y)) (Add (MatMul w x) (MatMul w y)))
-(rewrite (MatMul (Scale c x) w) (Scale c (MatMul x w)))
-(rewrite (MatMul w (Scale c x)) (Scale c (MatMul w x)))
-(rewrite (Scale c (Add x y)) (Add (Scale c x) (Scale c y)))
-(rewrite (Scale c (Scale d x)) (Scale (* c d) x))
-(rewrite (Add x x) (Scale (bigrat (bigint 2) (bigint 1)) x))
-(rewrite (Add (Scale c x) x) (Scale (+ c (bigrat (bigint 1) (bigint 1))) x))
-(rewrite (Add (Scale c x) (Scale d x)) (Scale (+ c d) x))
-(rule ((= e (Scale c x)) (= c (bigrat (bigint 1) (bigint 1)))) ((union e x)))
-(rule ((= e (Add (Scale c x) y)) (= c (bigrat (bigint 0) (bigint 1)))) ((union e y)))
+(relation Proven ())
+(ruleset algebra)
+(rewrite (Add x y) (Add y x) :ruleset algebra)
+(birewrite (Add (Add x y) z) (Add x (Add y z)) :ruleset algebra)
+(rewrite (Mul x y) (Mul y x) :ruleset algebra)
+(birewrite (Mul (Mul x y) z) (Mul x (Mul y z)) :ruleset algebra)
+(rewrite (Mul (Add x y) z) (Add (Mul x z) (Mul y z)) :ruleset algebra)
+(rewrite (Mul (Scale c x) y) (Scale c (Mul x y)) :ruleset algebra)
+(rewrite (MatMul (Add x y) w) (Add (MatMul x w) (MatMul y w)) :ruleset algebra)
+(rewrite (MatMul w (Add x y)) (Add (MatMul w x) (MatMul w y)) :ruleset algebra)
+(rewrite (MatMul (Scale c x) w) (Scale c (MatMul x w)) :ruleset algebra)
+(rewrite (MatMul w (Scale c x)) (Scale c (MatMul w x)) :ruleset algebra)
+(rewrite (Scale c (Add x y)) (Add (Scale c x) (Scale c y)) :ruleset algebra)
+(rewrite (Scale c (Scale d x)) (Scale (* c d) x) :ruleset algebra)
+(rewrite (Add x x) (Scale (bigrat (bigint 2) (bigint 1)) x) :ruleset algebra)
+(rewrite (Add (Scale c x) x) (Scale (+ c (bigrat (bigint 1) (bigint 1))) x) :ruleset algebra)
+(rewrite (Add (Scale c x) (Scale d x)) (Scale (+ c d) x) :ruleset algebra)
+(rule ((= e (Scale c x)) (= c (bigrat (bigint 1) (bigint 1)))) ((union e x)) :ruleset algebra)
+(rule ((= e (Add (Scale c x) y)) (= c (bigrat (bigint 0) (bigint 1)))) ((union e y)) :ruleset algebra)
 (rule ((= e (App k (Cons (Add x y) (Nil)))) (Linear k))
-      ((union e (Add (App k (Cons x (Nil))) (App k (Cons y (Nil)))))))
+      ((union e (Add (App k (Cons x (Nil))) (App k (Cons y (Nil)))))) :ruleset algebra)
 (rule ((= e (App k (Cons (Scale c x) (Nil)))) (Linear k))
-      ((union e (Scale c (App k (Cons x (Nil)))))))
+      ((union e (Scale c (App k (Cons x (Nil)))))) :ruleset algebra)
 """
 
 
@@ -69,11 +71,18 @@ def prove_equal(universe: Universe, a: int, b: int, max_nodes: int = 5000, itera
     _run(egraph, [RULES])
     _run(egraph, list(_declarations(universe, nodes)))
     goal = f"(= (Node {a}) (Node {b}))"
-    for _ in range(iterations):
-        _run(egraph, ["(run 1)"])
-        if _proven(egraph, goal) or _size(egraph) > MAX_ENODES:
-            break
-    return _proven(egraph, goal)
+    _run(egraph, [f"(rule ({goal}) ((Proven)) :ruleset algebra)", _schedule(iterations)])
+    try:
+        _run(egraph, [f"(check {goal})"])
+    except EggSmolError:
+        return False
+    return True
+
+
+def _schedule(iterations: int) -> str:
+    """Back-off bounds each iteration's growth; stop as soon as the goal holds."""
+    scheduler = f"(let-scheduler slow (back-off :match-limit {MATCH_LIMIT}))"
+    return f"(run-schedule {scheduler} (repeat {iterations} (run-with slow algebra :until (Proven))))"
 
 
 def _sub_dag(universe: Universe, roots: tuple[int, ...], max_nodes: int) -> list[int] | None:
@@ -149,15 +158,3 @@ def _run(egraph: EGraph, commands: list[str]) -> list[Any]:
         outputs.extend(egraph.run_program(*egraph.parse_program("\n".join(commands[i : i + BATCH]))))
     return outputs
 
-
-def _proven(egraph: EGraph, goal: str) -> bool:
-    try:
-        _run(egraph, [f"(check {goal})"])
-    except EggSmolError:
-        return False
-    return True
-
-
-def _size(egraph: EGraph) -> int:
-    (report,) = _run(egraph, ["(print-size)"])
-    return sum(count for _, count in report.sizes)

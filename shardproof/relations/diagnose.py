@@ -253,7 +253,8 @@ class Diagnoser:
         roots = {root for root, _ in regions}
         if len(roots) != 1:
             return False
-        blocks = self.r.reference_boxes.get(roots.pop(), ())
+        root = roots.pop()
+        blocks = self.r.reference_boxes.get(root, ()) or self._implied_blocks(rank, root, [b for _, b in regions])
         for _, box in regions:
             owners = [b for b in blocks if all(bl <= lo and hi <= bh for (lo, hi), (bl, bh) in zip(box, b))]
             if not any(
@@ -265,36 +266,47 @@ class Diagnoser:
                 return False
         return True
 
+    def _implied_blocks(self, rank: int, root: int, boxes: list) -> list:
+        """Blocks a tensor-parallel loader would have cut: each part as chunk `rank` of a block n
+        times its size; returned only if those blocks tile the tensor exactly."""
+        n, shape = len(self.ranks), self.r.shape(root)
+        blocks = []
+        for box in boxes:
+            block = []
+            for (lo, hi), size in zip(box, shape):
+                width = hi - lo
+                start = lo - rank * width if (lo, hi) != (0, size) else 0
+                block.append((start, start + n * width) if (lo, hi) != (0, size) else (0, size))
+            blocks.append(tuple(block))
+        cut = [d for d in range(len(shape)) if any(b[d] != (0, shape[d]) for b in blocks)]
+        if len(cut) != 1:
+            return []
+        spans = sorted(b[cut[0]] for b in blocks)
+        tiles = spans[0][0] == 0 and spans[-1][1] == shape[cut[0]] and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+        return blocks if tiles else []
+
     def _loader_instead(self, rank: int, culprit: Node) -> Node | None:
         """A runtime split that is right for a correctly loaded shard is not the bug when the
-        shard itself is wrong: the tensor it splits covers fewer of the reference's blocks than
-        the reference splits it into, or straddles them. Then the loader's slice is to blame."""
+        shard itself is wrong: its parts cover fewer of the reference's blocks (its q, k, v, or
+        gate and up) than the runtime splits it into, or straddle them. Then blame the loader."""
         graph = self.ranks[rank]
-        split = self.run.ranks[rank][culprit.inputs[0]]
-        term = self.r.u[split]
-        parts = term.args if term.op == "cat" else (split,)
+        source = culprit.inputs[0]
         dim = culprit.attrs[0]
-        regions = [self.r.as_region(p) for p in parts]
-        roots = {root for root, _ in regions}
-        if len(roots) != 1:
-            return None
-        root = roots.pop()
-        blocks = sorted({b[dim] for b in self.r.reference_boxes.get(root, ()) if len(b) > dim})
-        if len(blocks) < 2:
-            return None
+        siblings = sum(1 for n in graph.nodes if n.op == "slice" and n.inputs[0] == source and n.attrs[0] == dim)
+        term = self.r.u[self.run.ranks[rank][source]]
+        parts = term.args if term.op == "cat" else (self.run.ranks[rank][source],)
         covered = set()
-        for _, box in regions:
-            inside = [blk for blk in blocks if blk[0] <= box[dim][0] and box[dim][1] <= blk[1]]
+        for root, box in (self.r.as_region(p) for p in parts):
+            blocks = {b[dim] for b in self.r.reference_boxes.get(root, ()) if len(b) > dim} or {(0, self.r.shape(root)[dim])}
+            inside = [b for b in blocks if b[0] <= box[dim][0] and box[dim][1] <= b[1]]
             if not inside:
-                return self._loader_slice(rank, graph[culprit.inputs[0]])
-            covered.add(inside[0])
-        if len(covered) < len(blocks):
-            return self._loader_slice(rank, graph[culprit.inputs[0]])
-        return None
+                return self._loader_slice(rank, graph[source])
+            covered.add((root, inside[0]))
+        return self._loader_slice(rank, graph[source]) if len(covered) < siblings else None
 
     def _loader_slice(self, rank: int, node: Node, unnatural: bool = False) -> Node | None:
-        """The first op of the checkpoint loader (state-only slicing) that `node` depends on;
-        with `unnatural`, the first that does not take this rank's own chunk."""
+        """The first op of the checkpoint loader (state-only slicing or joining) that `node`
+        depends on; with `unnatural`, the first slice that does not take this rank's own chunk."""
         graph = self.ranks[rank]
         state_only: dict[int, bool] = {}
         for ancestor in _ancestors(graph, node):
@@ -302,6 +314,8 @@ class Diagnoser:
                 state_only[ancestor.id] = str(ancestor.attrs[0]).startswith("state:")
             else:
                 state_only[ancestor.id] = bool(ancestor.inputs) and all(state_only.get(i, False) for i in ancestor.inputs)
+            if state_only[ancestor.id] and ancestor.op == "cat" and not unnatural:
+                return ancestor
             if state_only[ancestor.id] and ancestor.op == "slice":
                 dim, lo, hi = ancestor.attrs
                 if not unnatural or lo != rank * (hi - lo):
