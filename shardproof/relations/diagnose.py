@@ -133,14 +133,15 @@ class Diagnoser:
         covered = ", ".join(f"[{lo}:{hi})" + (f" x{c}" if c != 1 else "") for lo, hi, c in ranges)
         duplicated = any(c != 1 for _, _, c in ranges)
         group = node.attrs[-1]
-        culprit = self._slice_source(rank, node, ranges) or self._piece_origin(rank, node)
+        origin = self._piece_origin(rank, node)
+        culprit = self._slice_source(node.id, ranges) or (rank, origin if origin is not None else node)
         kind = "double counting" if duplicated else "missing reduction"
         return Finding(
             "discrepancy",
             "wrong layout" if duplicated else kind,
             f"wrong layout ({kind}): `{node.op}` over ranks {list(group)} adds up parts {covered} of a sum over "
             f"an axis of size {size}; the parts must cover it exactly once (a rank holds the wrong shard)",
-            [(rank, culprit), (rank, node)] if culprit is not None else [(rank, node)],
+            [culprit, (rank, node)],
         )
 
     def _miscounted(self, parts: list[tuple[int, Fraction]]) -> tuple[int, Fraction, Fraction] | None:
@@ -453,17 +454,15 @@ class Diagnoser:
                 return ancestor
         return None
 
-    def _slice_source(self, rank: int, node: Node, ranges: list[tuple[int, int, Fraction]]) -> Node | None:
-        """On a rank whose share is not its own, the loader slice that picked that share."""
-        graph, terms = self.ranks[rank], self.run.ranks[rank]
-        for r, g in enumerate(self.ranks):
-            for ancestor in _ancestors(g, g[node.id] if node.id < len(g.nodes) else node):
-                if ancestor.op != "slice" or g[ancestor.inputs[0]].op != "leaf":
+    def _slice_source(self, node_id: int, ranges: list[tuple[int, int, Fraction]]) -> tuple[int, Node] | None:
+        """The loader slice, on a rank whose share is not its own, that picked a summed part."""
+        for rank, graph in enumerate(self.ranks):
+            for ancestor in _ancestors(graph, graph[node_id]):
+                if ancestor.op != "slice" or graph[ancestor.inputs[0]].op != "leaf":
                     continue
-                lo, hi = ancestor.attrs[1], ancestor.attrs[2]
-                width = hi - lo
-                if any((l, h) == (lo, hi) for l, h, _ in ranges) and lo != r * width:
-                    return ancestor
+                _, lo, hi = ancestor.attrs
+                if any((l, h) == (lo, hi) for l, h, _ in ranges) and lo != rank * (hi - lo):
+                    return rank, ancestor
         return None
 
     def _unexplained(self, rank: int, node: Node) -> Finding:

@@ -147,12 +147,6 @@ class Rules:
         box = tuple((ba[dim][0], bb[dim][1]) if d == dim else ba[d] for d in range(len(ba)))
         return self.slice(ra, box)
 
-    def as_slice(self, t: int) -> tuple[int, Box]:
-        term = self.u[t]
-        if term.op == "slice":
-            return term.args[0], term.attrs[0]
-        return t, full_box(term.shape)
-
     def as_region(self, t: int) -> tuple[int, Box]:
         """(X, box) with X[box] == t, looking through lin/piece/cat; (t, full box) if none shows."""
         term = self.u[t]
@@ -774,16 +768,14 @@ def _align_batch(r: Rules, a: int, ra: int, box_a: Box, b: int, rb: int, box_b: 
     """Express the operand without a batch slice as a region with the other operand's batch box."""
     for sliced, other in ((a, b), (b, a)):
         other_root, other_box = r.as_region(other)
-        for root, box in r.regions(sliced)[: None if root_differs(r, sliced) else 0]:
+        for root, box in r.regions(sliced):
+            if root == sliced:
+                continue
             target = box[:-2] + other_box[-2:]
             lifted = r.region_like(other, target, r.shape(root)[:-2] + r.shape(other_root)[-2:])
             if lifted is not None:
                 return (root, box, lifted, target) if sliced == a else (lifted, target, root, box)
     return ra, box_a, rb, box_b
-
-
-def root_differs(r: Rules, t: int) -> bool:
-    return r.as_region(t)[0] != t
 
 
 def _embedding(r: Rules, op: str, args, attrs, shape, dtype) -> int:
