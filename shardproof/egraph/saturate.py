@@ -5,9 +5,10 @@ sums, so `mul(mul(a, b), c)` and `mul(a, mul(b, c))` keep different ids. Here th
 terms go into an egglog e-graph, ring identities over the reals are applied for a bounded number
 of iterations, and the roots are compared: True is a proof, False only means "not found".
 
-Every term is `(Node id)`, unioned with its structure over its children's nodes. The rules only
-expand (products over sums, linear ops over sums, scalars outwards) and collect coefficients, so
-the two sides meet in their expanded form without the blow-up of factoring rules. Sound because:
+Every term is `(Node id)`, unioned with its structure over its children's nodes. Besides
+commutativity and associativity, the rules only expand (products and linear ops over sums, scalars
+outwards) and collect coefficients: the two sides meet in their expanded form without the blow-up
+of factoring rules. Sound because:
 - congruence only holds for functions of their arguments' values, and `piece` is not one (its
   meaning depends on how its argument was computed), so a piece is an atom like a leaf;
 - opaque ops are keyed by (op, attrs, shape, dtype), since e.g. a view's target is its shape;
@@ -17,8 +18,11 @@ the two sides meet in their expanded form without the blow-up of factoring rules
 
 from __future__ import annotations
 
+import os
+import tempfile
+from collections import defaultdict
 from fractions import Fraction
-from typing import Any, Iterator
+from typing import Any
 
 from egglog.bindings import EggSmolError, EGraph
 
@@ -27,14 +31,29 @@ from shardproof.relations.universe import Term, Universe
 
 ATOMS = {"leaf", "full", "const", "piece"}
 LINEAR_OPS = {"sum", "slice", "view", "permute", "bcast", "repeat"}
-MATCH_LIMIT = 10_000  # back-off: a rule matching more often sits out, so growth stays bounded
-BATCH = 100  # commands per parse: one huge program parses slowly, one per call pays overhead
+MATCH_LIMIT = 20_000  # back-off: a rule matching more often sits out, so growth stays bounded
 
+# Terms arrive as relation rows read from files, turned into e-nodes by the `load` rules in one
+# pass: a top-level command per term costs ~20 us (a `union`: more as the e-graph grows), a row ~3 us.
 RULES = """
 (datatype* (E (Node i64) (Add E E) (Scale BigRat E) (Mul E E) (MatMul E E) (App i64 Args))
-           (Args (Nil) (Cons E Args)))
+           (Args (List i64) (Nil) (Cons E Args)))
+(relation AddR (i64 i64 i64))
+(relation ScaleR (i64 String String i64))
+(relation MulR (i64 i64 i64))
+(relation MatMulR (i64 i64 i64))
+(relation AppR (i64 i64 i64))
+(relation ArgR (i64 i64 i64))
 (relation Linear (i64))
 (relation Proven ())
+(ruleset load)
+(rule ((AddR t x y)) ((union (Node t) (Add (Node x) (Node y)))) :ruleset load)
+(rule ((ScaleR t n d x)) ((union (Node t) (Scale (bigrat (from-string n) (from-string d)) (Node x)))) :ruleset load)
+(rule ((MulR t x y)) ((union (Node t) (Mul (Node x) (Node y)))) :ruleset load)
+(rule ((MatMulR t x y)) ((union (Node t) (MatMul (Node x) (Node y)))) :ruleset load)
+(rule ((AppR t k l)) ((union (Node t) (App k (List l)))) :ruleset load)
+(rule ((ArgR l x rest)) ((union (List l) (Cons (Node x) (List rest)))) :ruleset load)
+(union (List 0) (Nil))
 (ruleset algebra)
 (rewrite (Add x y) (Add y x) :ruleset algebra)
 (birewrite (Add (Add x y) z) (Add x (Add y z)) :ruleset algebra)
@@ -67,16 +86,27 @@ def prove_equal(universe: Universe, a: int, b: int, max_nodes: int = 5000, itera
     nodes = _sub_dag(universe, (a, b), max_nodes)
     if nodes is None:
         return False
-    egraph = EGraph()
-    _run(egraph, [RULES])
-    _run(egraph, list(_declarations(universe, nodes)))
+    with tempfile.TemporaryDirectory() as folder:
+        egraph = EGraph(fact_directory=folder)
+        _run(egraph, RULES)
+        _load(egraph, folder, _Export(universe, nodes).rows)
     goal = f"(= (Node {a}) (Node {b}))"
-    _run(egraph, [f"(rule ({goal}) ((Proven)) :ruleset algebra)", _schedule(iterations)])
+    _run(egraph, f"(rule ({goal}) ((Proven)) :ruleset algebra)\n{_schedule(iterations)}")
     try:
-        _run(egraph, [f"(check {goal})"])
+        _run(egraph, f"(check {goal})")
     except EggSmolError:
         return False
     return True
+
+
+def _load(egraph: EGraph, folder: str, rows: dict[str, list[tuple[Any, ...]]]) -> None:
+    """Write each relation's rows as a TSV file, read them all, and build the e-nodes."""
+    commands = []
+    for relation, table in rows.items():
+        with open(os.path.join(folder, relation), "w") as f:
+            f.writelines("\t".join(map(str, row)) + "\n" for row in table)
+        commands.append(f'(input {relation} "{relation}")')
+    _run(egraph, "\n".join([*commands, "(run load 1)"]))
 
 
 def _schedule(iterations: int) -> str:
@@ -101,60 +131,63 @@ def _sub_dag(universe: Universe, roots: tuple[int, ...], max_nodes: int) -> list
     return sorted(seen)  # arguments always have smaller ids than their term
 
 
-def _declarations(universe: Universe, nodes: list[int]) -> Iterator[str]:
-    """One `union` per structured term, plus `Linear` facts for the keys of linear ops."""
-    keys: dict[tuple[Any, ...], int] = {}
-    for t in nodes:
-        term = universe[t]
+class _Export:
+    """The rows describing each term; the parts a term is built of get fresh negative ids."""
+
+    def __init__(self, universe: Universe, nodes: list[int]) -> None:
+        self.universe = universe
+        self.rows: dict[str, list[tuple[Any, ...]]] = defaultdict(list)
+        self.keys: dict[tuple[Any, ...], int] = {}  # opaque (op, attrs, shape, dtype) -> App key
+        self.last_id = 0  # also list id 0: the empty argument list
+        for t in nodes:
+            self.term(t)
+
+    def fresh(self) -> int:
+        self.last_id -= 1
+        return self.last_id
+
+    def term(self, t: int) -> None:
+        term = self.universe[t]
         if term.op in ATOMS or not term.args:
-            continue
-        structure = _algebra(universe, term)
-        if structure is None:
-            key_of = (term.op, term.attrs, term.shape, term.dtype)
-            key = keys.get(key_of)
-            if key is None:
-                key = keys[key_of] = len(keys)
-                if term.op in LINEAR_OPS and len(term.args) == 1:
-                    yield f"(Linear {key})"
-            structure = f"(App {key} {_cons(term.args)})"
-        yield f"(union (Node {t}) {structure})"
+            return
+        modelled = term.dtype in FLOAT_DTYPES
+        if modelled and term.op in ("mul", "matmul"):
+            self.rows["MulR" if term.op == "mul" else "MatMulR"].append((t, *term.args))
+        elif modelled and term.op == "lin" and all(self.universe[x].shape == term.shape for x in term.args):
+            self.lin(t, list(zip(term.args, term.attrs[0])))
+        else:
+            self.app(t, term)
+
+    def lin(self, t: int, pairs: list[tuple[int, Fraction]]) -> None:
+        """A right-nested chain of Add over the scaled arguments, its head named t."""
+        node = self.scaled(*pairs[-1], name=t if len(pairs) == 1 else None)
+        for i in range(len(pairs) - 2, -1, -1):
+            name = t if i == 0 else self.fresh()
+            self.rows["AddR"].append((name, self.scaled(*pairs[i]), node))
+            node = name
+
+    def scaled(self, x: int, c: Fraction, name: int | None = None) -> int:
+        if c == 1 and name is None:
+            return x
+        name = self.fresh() if name is None else name
+        self.rows["ScaleR"].append((name, c.numerator, c.denominator, x))
+        return name
+
+    def app(self, t: int, term: Term) -> None:
+        """An opaque op: its key says which function, its argument list is a chain of cells."""
+        key_of = (term.op, term.attrs, term.shape, term.dtype)
+        key = self.keys.get(key_of)
+        if key is None:
+            key = self.keys[key_of] = len(self.keys)
+            if term.op in LINEAR_OPS:
+                self.rows["Linear"].append((key,))
+        rest = 0
+        for x in reversed(term.args):
+            cell = self.fresh()
+            self.rows["ArgR"].append((cell, x, rest))
+            rest = cell
+        self.rows["AppR"].append((t, key, rest))
 
 
-def _algebra(universe: Universe, term: Term) -> str | None:
-    """The term over Add/Scale/Mul/MatMul if its op's algebra is modelled, else None (opaque)."""
-    if term.dtype not in FLOAT_DTYPES:
-        return None
-    if term.op == "lin" and all(universe[x].shape == term.shape for x in term.args):
-        return _sum([_scaled(x, c) for x, c in zip(term.args, term.attrs[0])])
-    if term.op in ("mul", "matmul") and term.attrs == () and len(term.args) == 2:
-        x, y = term.args
-        return f"({'Mul' if term.op == 'mul' else 'MatMul'} (Node {x}) (Node {y}))"
-    return None
-
-
-def _scaled(x: int, c: Fraction) -> str:
-    if c == 1:
-        return f"(Node {x})"
-    return f'(Scale (bigrat (from-string "{c.numerator}") (from-string "{c.denominator}")) (Node {x}))'
-
-
-def _sum(parts: list[str]) -> str:
-    out = parts[-1]
-    for part in reversed(parts[:-1]):
-        out = f"(Add {part} {out})"
-    return out
-
-
-def _cons(args: tuple[int, ...]) -> str:
-    out = "(Nil)"
-    for x in reversed(args):
-        out = f"(Cons (Node {x}) {out})"
-    return out
-
-
-def _run(egraph: EGraph, commands: list[str]) -> list[Any]:
-    outputs = []
-    for i in range(0, len(commands), BATCH):
-        outputs.extend(egraph.run_program(*egraph.parse_program("\n".join(commands[i : i + BATCH]))))
-    return outputs
-
+def _run(egraph: EGraph, program: str) -> None:
+    egraph.run_program(*egraph.parse_program(program))
