@@ -6,9 +6,11 @@ from dataclasses import dataclass
 
 from shardproof.capture.torch_capture import Captured
 from shardproof.case import Output
+from shardproof.egraph.saturate import prove_equal
 from shardproof.errors import CaseError
 from shardproof.relations.diagnose import Diagnoser, Finding
 from shardproof.relations.execute import CollectiveMismatch, execute
+from shardproof.relations.universe import Universe
 
 
 @dataclass
@@ -38,11 +40,17 @@ def prove(captured: Captured, output: Output) -> Proof:
         outs = [run.ranks[g.rank][g.outputs[index]] for g in ranks]
         if output[0] == "shard":
             whole = rules.cat(outs, output[1] % len(rules.shape(expected)))
-            if whole != expected:
+            if not _equal(rules.u, whole, expected):
                 unproven.extend((g.rank, index) for g in ranks)
         else:
-            unproven.extend((g.rank, index) for g, t in zip(ranks, outs) if t != expected)
+            unproven.extend((g.rank, index) for g, t in zip(ranks, outs) if not _equal(rules.u, t, expected))
     if not unproven:
         return Proof("equivalent", None, len(rules.u))
     finding = Diagnoser(run, reference, ranks).diagnose(unproven)
     return Proof(finding.verdict, finding, len(rules.u))
+
+
+def _equal(universe: Universe, term: int, expected: int) -> bool:
+    """Same normal form, or equal by equality saturation over the algebra the rules leave out
+    (associativity/commutativity of products, distributivity; see egraph/saturate.py)."""
+    return term == expected or prove_equal(universe, term, expected)
