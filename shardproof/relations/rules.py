@@ -58,11 +58,13 @@ class Rules:
         return self.literal("leaf", (), (name,), shape, dtype)
 
     def const(self, spec: tuple, shape: tuple[int, ...], dtype: str) -> int:
+        """A constant: one fill value (`full`, floats normalized) or explicit values / arange."""
         if spec[0] == "values" and len(set(spec[1])) == 1:
             spec = ("full", spec[1][0])
-        if spec[0] == "full" and isinstance(spec[1], bool) is False and dtype in FLOAT_DTYPES:
-            spec = ("full", float(spec[1]))
-        return self.literal("full" if spec[0] == "full" else "const", (), spec[1:] if spec[0] == "full" else spec, shape, dtype)
+        if spec[0] != "full":
+            return self.literal("const", (), spec, shape, dtype)
+        value = float(spec[1]) if dtype in FLOAT_DTYPES and not isinstance(spec[1], bool) else spec[1]
+        return self.literal("full", (), (value,), shape, dtype)
 
     def full_value(self, t: int) -> Any | None:
         """The fill value if `t` is a constant filled with one value (possibly broadcast)."""
