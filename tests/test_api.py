@@ -24,8 +24,6 @@ KIND_WORDS = {
 
 # Capabilities not there yet, each a strict xfail so the list shrinks as they land.
 KNOWN_GAPS = {
-    "bsh-transpose_buggy": "no rule moves permutes out of computations done in (seq, batch, hidden) layout",
-    "bsh-transpose_fixed": "no rule moves permutes out of computations done in (seq, batch, hidden) layout",
     "vocab-ce-label-smoothing_buggy": "no rule for aten.gather (label lookup in cross entropy)",
     "vocab-ce-label-smoothing_fixed": "no rule for aten.gather (label lookup in cross entropy)",
 }

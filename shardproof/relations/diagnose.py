@@ -16,6 +16,7 @@ from fractions import Fraction
 from shardproof.ir.graph import Graph, Node
 from shardproof.ir.ops import OPS
 from shardproof.relations.execute import Execution
+from shardproof.relations.layout import reshape_groups
 from shardproof.relations.rules import Rules
 
 STRUCTURAL = {"slice", "cat", "bcast", "repeat", "lin", "piece", "full", "const"}
@@ -67,7 +68,10 @@ class Diagnoser:
         """`mismatched_outputs`: (rank, output index) pairs whose value was not proven."""
         divergence = self._first_divergence(mismatched_outputs)
         if divergence is not None:
-            rank, node = divergence
+            rank, node, chain = divergence
+            found = self._misassembled_input(rank, node) or self._mixing_reshape(rank, chain)
+            if found is not None:
+                return found
             if OPS[node.op].kind == "collective":
                 return self._at_collective(rank, node)
             return self._at_op(rank, node)
@@ -82,28 +86,77 @@ class Diagnoser:
         collective = OPS[node.op].kind == "collective"
         return not self.grounded(t) or (collective and not self.region_of_reference(t))
 
-    def _first_divergence(self, mismatched_outputs: list[tuple[int, int]]) -> tuple[int, Node] | None:
-        """The earliest op from which a chain of disagreeing ops reaches a mismatched output.
+    def _first_divergence(self, mismatched_outputs: list[tuple[int, int]]) -> tuple[int, Node, list[Node]] | None:
+        """The earliest op from which a chain of disagreeing ops reaches a mismatched output,
+        with that chain (in execution order).
 
         Intermediates the reference never computes (a vocab mask, say) are fine as long as a
         rule absorbs them before they reach an output."""
-        best: tuple[int, Node] | None = None
+        best: tuple[int, Node, list[Node]] | None = None
         for rank, index in mismatched_outputs:
             graph = self.ranks[rank]
             start = graph[graph.outputs[index]]
             if not self._bad(rank, start):
                 continue
-            seen, stack, earliest = {start.id}, [start], start
+            seen, stack = {start.id}, [start]
             while stack:
                 node = stack.pop()
-                earliest = node if node.id < earliest.id else earliest
                 for i in node.inputs:
                     if i not in seen and self._bad(rank, graph[i]):
                         seen.add(i)
                         stack.append(graph[i])
-            if best is None or (earliest.id, rank) < (best[1].id, best[0]):
-                best = (rank, earliest)
+            chain = [graph[i] for i in sorted(seen)]
+            if best is None or (chain[0].id, rank) < (best[1].id, best[0]):
+                best = (rank, chain[0], chain)
         return best
+
+    def _misassembled_input(self, rank: int, node: Node) -> Finding | None:
+        """An operand that concatenates shards along another dim than they were split on."""
+        for i in node.inputs:
+            axes = self._wrong_axis(self.run.ranks[rank][i])
+            if axes is not None:
+                return Finding(
+                    "discrepancy",
+                    "wrong axis",
+                    f"wrong layout (wrong axis): shards split along dim {axes[1]} are concatenated along dim "
+                    f"{axes[0]} before `{node.op}`",
+                    [(rank, self.ranks[rank][i]), (rank, node)],
+                )
+        return None
+
+    def _mixing_reshape(self, rank: int, chain: list[Node]) -> Finding | None:
+        """The first op of the disagreeing chain whose value reshapes data so that axes mix, e.g.
+        (seq*batch, h) read as (batch, seq, h): a group of several dims becomes several dims of
+        other sizes. Reshapes compose in the normal form, so this shows even when each op alone
+        only merges or splits."""
+        terms = self.run.ranks[rank]
+        for node in chain:
+            mixed = self._mixing_view(terms[node.id], set())
+            if mixed is not None:
+                return Finding(
+                    "discrepancy",
+                    "wrong layout",
+                    f"wrong layout: a reshape regroups axes {mixed[0]} as {mixed[1]}, mixing elements of "
+                    "different axes (e.g. batch and sequence)",
+                    [(rank, node)],
+                )
+        return None
+
+    def _mixing_view(self, t: int, seen: set[int]) -> tuple[str, str] | None:
+        if t in seen:
+            return None
+        seen.add(t)
+        term = self.r.u[t]
+        if term.op == "view":
+            source = self.r.shape(term.args[0])
+            for gi, gj in reshape_groups(source, term.shape) or []:
+                if len(gi) > 1 and len(gj) > 1 and [source[d] for d in gi] != [term.shape[d] for d in gj]:
+                    return "x".join(str(source[d]) for d in gi), "x".join(str(term.shape[d]) for d in gj)
+        for a in term.args:
+            found = self._mixing_view(a, seen)
+            if found is not None:
+                return found
+        return None
 
     # --- a sum over ranks that does not add up ------------------------------------------------------
     def _at_collective(self, rank: int, node: Node) -> Finding:
@@ -170,16 +223,6 @@ class Diagnoser:
                 [(rank, origin), (rank, node)] if origin is not None else [(rank, node)],
                 op=node.op,
             )
-        for i in node.inputs:
-            axes = self._wrong_axis(terms[i])
-            if axes is not None:
-                return Finding(
-                    "discrepancy",
-                    "wrong axis",
-                    f"wrong layout (wrong axis): shards split along dim {axes[1]} are concatenated along dim "
-                    f"{axes[0]} before `{node.op}`",
-                    [(rank, self.ranks[rank][i]), (rank, node)],
-                )
         return self._wrong_operand(rank, node)
 
     def _wrong_axis(self, t: int) -> tuple[int, int] | None:

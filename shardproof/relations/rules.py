@@ -350,7 +350,37 @@ class Rules:
         inserted = _inserted_ones(term.shape, shape)
         if inserted is not None:
             return self.bcast(x, shape, inserted)
+        if term.op == "permute":
+            moved = self._view_permute(x, shape)
+            if moved is not None:
+                return moved
+        if term.op == "matmul" and len(term.shape) == 2 and len(self.shape(term.args[1])) == 2 and shape[-1] == term.shape[-1]:
+            rows, inner = term.args
+            lifted = self.view(rows, shape[:-1] + self.shape(rows)[-1:])
+            return self.build("matmul", (lifted, inner), term.attrs, shape, term.dtype)
         return self.literal("view", (x,), (), shape, term.dtype)
+
+    def _view_permute(self, x: int, shape: tuple[int, ...]) -> int | None:
+        """view(permute(Y, p)) as permute(view(permute(Y, r)), q): r makes each merged group of
+        dims adjacent (groups in Y's order, the one holding Y's last dim kept last), so layouts
+        that reach the same merge through different transposes, like (seq, batch, hidden) and
+        (batch, seq, hidden) activations, meet in one normal form."""
+        term = self.u[x]
+        inner, perm = term.args[0], term.attrs[0]
+        groups = reshape_groups(term.shape, shape)
+        if groups is None or any(not gi or not gj for gi, gj in groups):
+            return None
+        last = len(perm) - 1
+        mapped = [([perm[d] for d in gi], gj) for gi, gj in groups]
+        ordered = sorted(mapped, key=lambda g: (last in g[0], min(g[0])))
+        order = tuple(d for dims, _ in ordered for d in dims)
+        middle_shape = tuple(shape[j] for _, gj in ordered for j in gj)
+        if order == tuple(range(len(perm))):
+            middle = self.view(inner, middle_shape)
+        else:
+            middle = self.literal("view", (self.permute(inner, order),), (), middle_shape, term.dtype)
+        position = {j: i for i, j in enumerate(j for _, gj in ordered for j in gj)}
+        return self.permute(middle, tuple(position[j] for j in range(len(shape))))
 
     def _view_bcast(self, x: int, shape: tuple[int, ...]) -> int | None:
         """Reshape a broadcast group by group. Groups of kept dims reshape the base (taking a
@@ -720,6 +750,11 @@ def _softmax(r: Rules, op: str, args, attrs, shape, dtype) -> int:
 
 def _matmul(r: Rules, op: str, args, attrs, shape, dtype) -> int:
     a, b = args
+    ta = r.u[a]
+    if ta.op == "permute" and ta.attrs[0][-1] == len(ta.shape) - 1 and len(r.shape(b)) == 2:
+        inner = ta.args[0]  # rows permuted, contraction dim in place: permute the product instead
+        product = r.build(op, (inner, b), attrs, r.shape(inner)[:-1] + shape[-1:], dtype)
+        return r.permute(product, ta.attrs[0])
     for i, t in enumerate((a, b)):
         term = r.u[t]
         other = args[1 - i]
