@@ -1029,3 +1029,49 @@ def test_evaluate_integer_lin_and_unsorted_bcast():
     t = b.r.bcast(x.term, (2, 4, 3), (2, 0))  # base dim 0 -> out dim 2, base dim 1 -> out dim 0
     expected = x.value.t().reshape(2, 1, 3).expand(2, 4, 3)
     torch.testing.assert_close(evaluate(b.u, t, b.leaves), expected)
+
+
+# --- permutes of activations: seq-major layouts meet batch-major ones ------------------------------
+def test_matmul_of_permuted_rows_is_the_permuted_matmul():
+    b = Build()
+    x, w = b.leaf("x", (3, 2, 4)), b.leaf("w", (4, 5))
+    y = b.op("matmul", b.permute(x, (1, 0, 2)), w)
+    b.check(y)
+    term = b.u[y.term]
+    assert term.op == "permute" and b.u[term.args[0]].op == "matmul"
+
+
+@pytest.mark.parametrize(
+    ("shape", "perm", "target"),
+    [
+        ((2, 3, 4, 5), (0, 2, 1, 3), (2, 4, 15)),  # transpose(1, 2) then merge heads: the reference's layout
+        ((2, 3, 4, 5), (2, 0, 1, 3), (4, 2, 15)),  # (seq, batch, heads*dim) from (batch, heads, seq, dim)
+        ((2, 3, 4, 5), (2, 0, 1, 3), (8, 15)),  # (seq*batch, heads*dim)
+        ((2, 3, 4), (1, 0, 2), (3, 2, 2, 2)),  # split the last dim of a transposed tensor
+    ],
+)
+def test_view_of_a_permute_is_a_permute_of_a_view(shape, perm, target):
+    b = Build()
+    x = b.leaf("x", shape)
+    y = b.view(b.permute(x, perm), target)
+    b.check(y)
+
+
+def test_seq_major_and_batch_major_head_merges_meet():
+    """(seq, batch, h*d) from a transposed attention output is a transpose of (batch, seq, h*d)."""
+    b = Build()
+    a, w = b.leaf("a", (2, 3, 4, 5)), b.leaf("w", (15, 6))
+    batch_major = b.op("matmul", b.view(b.permute(a, (0, 2, 1, 3)), (2, 4, 15)), w)
+    seq_major = b.op("matmul", b.view(b.permute(a, (2, 0, 1, 3)), (8, 15)), w)
+    back = b.permute(b.view(seq_major, (4, 2, 6)), (1, 0, 2))
+    b.check(batch_major)
+    b.check(back)
+    assert back.term == batch_major.term
+
+
+def test_view_of_a_two_dim_matmul_splits_its_rows():
+    b = Build()
+    x, w = b.leaf("x", (6, 4)), b.leaf("w", (4, 5))
+    y = b.view(b.op("matmul", x, w), (2, 3, 5))
+    b.check(y)
+    assert b.op_of(y) == "matmul"
