@@ -59,7 +59,6 @@ def verify(
     if proof.finding is not None and proof.verdict == "discrepancy":
         progress("confirming the discrepancy on random weights")
         proof.finding = _confirmed(case, n, proof.finding, _state_elements(captured.reference))
-        proof.verdict = proof.finding.verdict
     report = Report(
         proof.verdict,
         n,

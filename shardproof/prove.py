@@ -15,9 +15,12 @@ from shardproof.relations.universe import Universe
 
 @dataclass
 class Proof:
-    verdict: str  # equivalent | discrepancy | unknown
-    finding: Finding | None
+    finding: Finding | None  # None: every output proven equal
     terms: int  # size of the term universe: the proof's working memory
+
+    @property
+    def verdict(self) -> str:
+        return "equivalent" if self.finding is None else self.finding.verdict
 
 
 def prove(captured: Captured, output: Output) -> Proof:
@@ -32,7 +35,7 @@ def prove(captured: Captured, output: Output) -> Proof:
         run = execute(reference, ranks)
     except CollectiveMismatch as mismatch:
         finding = Finding("discrepancy", "mismatched collectives", f"mismatched collectives: {mismatch}", mismatch.nodes)
-        return Proof("discrepancy", finding, 0)
+        return Proof(finding, 0)
     rules = run.rules
     unproven = []
     for index, ref_out in enumerate(reference.outputs):
@@ -45,9 +48,8 @@ def prove(captured: Captured, output: Output) -> Proof:
         else:
             unproven.extend((g.rank, index) for g, t in zip(ranks, outs) if not _equal(rules.u, t, expected))
     if not unproven:
-        return Proof("equivalent", None, len(rules.u))
-    finding = Diagnoser(run, reference, ranks).diagnose(unproven)
-    return Proof(finding.verdict, finding, len(rules.u))
+        return Proof(None, len(rules.u))
+    return Proof(Diagnoser(run, reference, ranks).diagnose(unproven), len(rules.u))
 
 
 def _equal(universe: Universe, term: int, expected: int) -> bool:

@@ -113,16 +113,22 @@ class Diagnoser:
     def _misassembled_input(self, rank: int, node: Node) -> Finding | None:
         """An operand that concatenates shards along another dim than they were split on."""
         for i in node.inputs:
-            axes = self._wrong_axis(self.run.ranks[rank][i])
-            if axes is not None:
-                return Finding(
-                    "discrepancy",
-                    "wrong axis",
-                    f"wrong layout (wrong axis): shards split along dim {axes[1]} are concatenated along dim "
-                    f"{axes[0]} before `{node.op}`",
-                    [(rank, self.ranks[rank][i]), (rank, node)],
-                )
+            found = self._wrong_axis_finding(rank, self.ranks[rank][i])
+            if found is not None:
+                found.distributed.append((rank, node))
+                return found
         return None
+
+    def _wrong_axis_finding(self, rank: int, node: Node) -> Finding | None:
+        axes = self._wrong_axis(self.run.ranks[rank][node.id])
+        if axes is None:
+            return None
+        return Finding(
+            "discrepancy",
+            "wrong axis",
+            f"wrong layout (wrong axis): shards split along dim {axes[1]} are concatenated along dim {axes[0]}",
+            [(rank, node)],
+        )
 
     def _mixing_reshape(self, rank: int, chain: list[Node]) -> Finding | None:
         """The first op of the disagreeing chain whose value reshapes data so that axes mix, e.g.
@@ -275,17 +281,17 @@ class Diagnoser:
     def _misaligned(self, rank: int, pairs: list[tuple[int, int]]) -> list[int]:
         """Operands that are each a region of the right value, but not the same region: the one
         that is not this rank's natural chunk is the wrong one."""
-        boxes = []
+        regions = []
         for d, r in pairs:
             d_root, d_box = self.r.as_region(self.run.ranks[rank][d])
             r_root, r_box = self.r.as_region(self.run.reference[r])
             if d_root != r_root or len(d_box) != len(r_box):
                 return []
-            boxes.append(tuple((lo - rl, hi - rl) for (lo, hi), (rl, _) in zip(d_box, r_box)))
-        if len(set(boxes)) < 2:
+            regions.append(list(zip(d_box, r_box)))
+        relative = {tuple((lo - rl, hi - rl) for (lo, hi), (rl, _) in region) for region in regions}
+        if len(relative) < 2:
             return []
-        n = len(self.ranks)
-        return [p for p, box in enumerate(boxes) if any(lo != rank * (hi - lo) for lo, hi in box if hi - lo < n * (hi - lo) and lo)]
+        return [p for p, region in enumerate(regions) if not all(_is_rank_chunk(rank, *dims) for dims in region)]
 
     def _blocks_in_own_chunks(self, rank: int, t: int) -> bool:
         """A cat whose every part is this rank's own chunk of one of the blocks the reference
@@ -302,10 +308,7 @@ class Diagnoser:
         for _, box in regions:
             owners = [b for b in blocks if all(bl <= lo and hi <= bh for (lo, hi), (bl, bh) in zip(box, b))]
             if not any(
-                (lo - bl) == (rank % ((bh - bl) // (hi - lo))) * (hi - lo)
-                for b in owners
-                for (lo, hi), (bl, bh) in zip(box, b)
-                if (lo, hi) != (bl, bh)
+                _is_rank_chunk(rank, part, whole) for b in owners for part, whole in zip(box, b) if part != whole
             ):
                 return False
         return True
@@ -392,9 +395,11 @@ class Diagnoser:
         term = self.r.u[dist_term]
         if term.op == "cat":
             return all(self._consistent(p, ref_term) for p in term.args)
-        return any(root == ref_term for root, _ in self.r.regions(dist_term)) or any(
-            root == ref_root for root, _ in self.r.regions(dist_term) for ref_root, _ in self.r.regions(ref_term)
-        ) and self._inside(dist_term, ref_term)
+        dist_roots = [root for root, _ in self.r.regions(dist_term)]
+        if ref_term in dist_roots:
+            return True
+        shared_root = any(root in dist_roots for root, _ in self.r.regions(ref_term))
+        return shared_root and self._inside(dist_term, ref_term)
 
     def _inside(self, dist_term: int, ref_term: int) -> bool:
         d_root, d_box = self.r.as_region(dist_term)
@@ -426,11 +431,7 @@ class Diagnoser:
         r_root, r_box = self.r.as_region(ref_term)
         if d_root != r_root:
             return True
-        for (lo, hi), (rl, rh) in zip(d_box, r_box):
-            width = hi - lo
-            if (lo, hi) != (rl, rh) and (lo - rl) != (rank % ((rh - rl) // width)) * width:
-                return False
-        return True
+        return all(_is_rank_chunk(rank, part, whole) for part, whole in zip(d_box, r_box))
 
     # --- outputs that differ without any divergent op ---------------------------------------------------
     def _at_output(self, rank: int, node: Node, index: int) -> Finding:
@@ -456,16 +457,7 @@ class Diagnoser:
                 f"wrong scale: output {index} is {have / want} times the reference value",
                 [(rank, culprit)],
             )
-        if term.op == "cat":
-            culprit = self._introducing(rank, node, lambda x: self.r.u[x].op == "cat")
-            return Finding(
-                "discrepancy",
-                "wrong axis",
-                f"wrong layout (wrong axis): output {index} concatenates the ranks' shards along dim "
-                f"{term.attrs[0]}, which is not the dim they were split on",
-                [(rank, culprit)],
-            )
-        return self._unexplained(rank, node)
+        return self._wrong_axis_finding(rank, node) or self._unexplained(rank, node)
 
     # --- finding the line that introduced something ---------------------------------------------------
     def _lin_args(self, t: int) -> tuple[int, ...]:
@@ -517,6 +509,13 @@ class Diagnoser:
             [(rank, node)],
             op=node.op,
         )
+
+
+def _is_rank_chunk(rank: int, part: tuple[int, int], whole: tuple[int, int]) -> bool:
+    """`part` is chunk `rank` (modulo the number of chunks) of `whole` cut into equal chunks."""
+    (lo, hi), (w_lo, w_hi) = part, whole
+    width = hi - lo
+    return part == whole or (lo - w_lo) == (rank % ((w_hi - w_lo) // width)) * width
 
 
 def _shape_compatible(local: tuple[int, ...], full: tuple[int, ...]) -> bool:
