@@ -14,7 +14,7 @@ from shardproof.capture.torch_capture import capture
 from shardproof.case import Case, load_case, normalize_output
 from shardproof.errors import UnsupportedOp
 from shardproof.ir.graph import Graph, Node
-from shardproof.oracle import run_numeric
+from shardproof.oracle import NumericResult, run_numeric
 from shardproof.prove import prove
 from shardproof.relations.diagnose import Finding
 from shardproof.report.model import Report, Site
@@ -33,12 +33,16 @@ def verify(
     shard_input: Callable | None = None,
     output: str | tuple = "replicate",
     preset: str | None = None,
+    train: bool = False,
+    step: bool = False,
     progress: Callable[[str], None] = lambda _: None,
 ) -> Report:
     """Prove the distributed model equals the reference, or say where it does not.
 
-    Pass a case (a Case or the path of a case file) or its parts as keywords. Raises
-    ShardproofError subclasses for unusable input (missing file, untraceable model, ...).
+    Pass a case (a Case or the path of a case file) or its parts as keywords. `train` proves one
+    training step's loss and gradients instead of the forward outputs; `step` also the parameters
+    after the optimizer step (it implies `train`). Raises ShardproofError subclasses for unusable
+    input (missing file, untraceable model, ...).
     """
     if case is None:
         if reference is None or distributed is None or inputs is None:
@@ -51,14 +55,15 @@ def verify(
     n = world_size or case.world_size
     start = time.perf_counter()
     try:
-        captured = capture(case, n, progress)
+        captured = capture(case, n, progress, train=train or step, step=step)
     except UnsupportedOp as err:
         return Report("unknown", n, time.perf_counter() - start, 0, 0, str(err), unknown={"op": err.op, "reason": str(err)})
     progress("proving")
-    proof = prove(captured, case.output_layout())
+    proof = prove(captured)
     if proof.finding is not None and proof.verdict == "discrepancy":
         progress("confirming the discrepancy on random weights")
-        proof.finding = _confirmed(case, n, proof.finding, _state_elements(captured.reference))
+        numbers = lambda: run_numeric(case, n, train=train or step, step=step)  # noqa: E731
+        proof.finding = _confirmed(numbers, proof.finding, _state_elements(captured.reference))
     report = Report(
         proof.verdict,
         n,
@@ -67,6 +72,7 @@ def verify(
         sum(g.op_count() for g in captured.ranks),
         capture_seconds=captured.seconds,
         terms=proof.terms,
+        notes=proof.notes,
     )
     finding = proof.finding
     if finding is not None:
@@ -78,7 +84,7 @@ def verify(
     return report
 
 
-def _confirmed(case: Case, world_size: int, finding: Finding, elements: int) -> Finding:
+def _confirmed(numeric: Callable[[], NumericResult], finding: Finding, elements: int) -> Finding:
     """Certify a discrepancy by running every rank and the reference on random weights.
 
     Structural faults (a partial sum used unreduced, pieces that overlap, a term counted twice)
@@ -88,7 +94,7 @@ def _confirmed(case: Case, world_size: int, finding: Finding, elements: int) -> 
         if finding.kind == "wrong layout":
             return replace(finding, verdict="unknown", message=f"{finding.message} (not confirmed: model too large to run)")
         return finding
-    numbers = run_numeric(case, world_size)
+    numbers = numeric()
     if numbers.agree:
         return replace(
             finding,

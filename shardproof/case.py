@@ -31,6 +31,9 @@ class Case:
     shard_state: Callable[[dict, int, int], dict] | None = None
     shard_input: Callable[[int, torch.Tensor, int, int], torch.Tensor] | None = None
     output: Output = ("replicate",)
+    loss: Callable[..., torch.Tensor] | None = None  # training mode: loss(output, *inputs)
+    distributed_step: Callable[..., torch.Tensor] | None = None  # the user's own training step
+    optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None
     source: Path | None = None
     source_functions: list[Callable] = field(default_factory=list)
     module: ModuleType | None = None
@@ -76,6 +79,9 @@ def load_case(path: str | Path) -> Case:
         shard_state=getattr(module, "shard_state", None),
         shard_input=getattr(module, "shard_input", None),
         output=normalize_output(getattr(module, "OUTPUT", "replicate")),
+        loss=getattr(module, "loss", None),
+        distributed_step=getattr(module, "distributed_step", None),
+        optimizer=getattr(module, "optimizer", None),
         source=path.resolve(),
         source_functions=_functions_defined_in(module),
         module=module,

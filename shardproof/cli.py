@@ -1,4 +1,4 @@
-"""Command line: `shardproof verify CASE.py [--world-size N] [--json PATH] [--preset NAME]`."""
+"""Command line: `shardproof verify CASE.py [--world-size N] [--json PATH] [--preset NAME] [--train [--step]]`."""
 
 from __future__ import annotations
 
@@ -18,6 +18,10 @@ def main(argv: list[str] | None = None) -> int:
     verify_cmd.add_argument("--world-size", type=int, default=None, help="number of ranks (default: the case's WORLD_SIZE)")
     verify_cmd.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
     verify_cmd.add_argument("--preset", help="use the case file's PRESETS[NAME] as its CONFIG")
+    verify_cmd.add_argument("--train", action="store_true",
+                            help="prove one training step: the loss and every gradient (needs loss() in the case)")
+    verify_cmd.add_argument("--step", action="store_true",
+                            help="with --train: also the parameters after one optimizer step")
     verify_cmd.add_argument("--quiet", action="store_true", help="no progress messages")
     args = parser.parse_args(argv)
 
@@ -27,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
 
     progress = (lambda _: None) if args.quiet else (lambda msg: print(f"  … {msg}", file=sys.stderr, flush=True))
     try:
-        report = verify(args.case, world_size=args.world_size, preset=args.preset, progress=progress)
+        report = verify(args.case, world_size=args.world_size, preset=args.preset, train=args.train,
+                        step=args.step, progress=progress)
     except ShardproofError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

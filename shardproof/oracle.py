@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
-from torch.func import functional_call
 from torch.testing._internal.distributed.multi_threaded_pg import (
     ProcessLocalGroup,
     _install_threaded_pg,
@@ -32,7 +31,9 @@ from torch.testing._internal.distributed.multi_threaded_pg import (
 from torch.utils import _pytree as pytree
 
 from shardproof.case import Case, Output
-from shardproof.state import module_state, rank_inputs, rank_state
+from shardproof.errors import CaseError
+from shardproof.state import module_state
+from shardproof.steps import Check, Program, TrainingProgram, trainable_names
 
 # The threaded process group swaps torch's global c10d world: one oracle run at a time.
 _LOCK = threading.Lock()
@@ -64,22 +65,37 @@ class _Mismatch(Exception):
     """Outputs that cannot even be compared (shapes, structure): a disagreement, not a crash."""
 
 
-def run_numeric(case: Case, world_size: int, seed: int = 0, atol: float = 1e-6, rtol: float = 1e-6) -> NumericResult:
-    """Agree when every rank output is within `atol + rtol * max|reference|` of its part of the reference."""
+def run_numeric(
+    case: Case, world_size: int, seed: int = 0, atol: float = 1e-6, rtol: float = 1e-6, train: bool = False,
+    step: bool = False,
+) -> NumericResult:
+    """Agree when every check of the case's program (steps.py) holds on every rank to within
+    `atol + rtol * max|expected|`."""
     with _LOCK, _default_dtype(torch.float64), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         ref = case.reference()
         _randomise_parameters(ref)
         inputs = pytree.tree_map_only(torch.Tensor, _random_like, tuple(case.inputs()))
         ref_state = module_state(ref)
-        outputs, hung = _run_ranks(lambda rank: _rank_output(case, ref_state, inputs, rank, world_size), world_size)
+        program = TrainingProgram(case, trainable_names(ref), step) if train or step else Program(case)
+        ref_out = [t.detach() for t in program.reference(ref, _private(ref_state), _private(inputs))]
+        bound = [ref_out[i] for i in program.bound]
+        names: list[list[str]] = [[] for _ in range(world_size)]
+
+        def run_rank(rank: int) -> list[torch.Tensor]:
+            model = case.distributed(rank, world_size)
+            names[rank] = trainable_names(model)
+            outputs = program.rank(model, _private(ref_state), _private(inputs), rank, world_size, _private(bound))
+            return _plain(outputs)
+
+        outputs, hung = _run_ranks(run_rank, world_size)
         if hung:
             return NumericResult(False, math.inf, math.inf, f"ranks {hung} never finished: they wait in a "
                                  "collective that the other ranks do not issue")
-        ref_out = _plain(ref(*inputs))
     try:
-        return _compare(ref_out, outputs, case.output_layout(), atol, rtol)
-    except _Mismatch as mismatch:
+        checks = program.checks(len(ref_out), len(outputs[0]), names[0])
+        return _compare(ref_out, outputs, checks, atol, rtol)
+    except (_Mismatch, CaseError) as mismatch:
         return NumericResult(False, math.inf, math.inf, str(mismatch))
 
 
@@ -108,14 +124,6 @@ def _randomise_parameters(model: torch.nn.Module) -> None:
 def _random_like(x: torch.Tensor) -> torch.Tensor:
     """Floats become random; integer inputs (token ids, positions) stay as the case made them valid."""
     return torch.randn_like(x) if x.is_floating_point() else x
-
-
-def _rank_output(case: Case, ref_state: dict, inputs: tuple, rank: int, world_size: int) -> Any:
-    """One rank's output, as plain tensors. Threads share memory, real ranks do not: copy what a rank may mutate."""
-    model = case.distributed(rank, world_size)
-    state = rank_state(case, _private(ref_state), model, rank, world_size)
-    local_inputs = rank_inputs(case, _private(inputs), rank, world_size)
-    return _plain(functional_call(model, state, local_inputs))
 
 
 def _private(tree: Any) -> Any:
@@ -203,56 +211,47 @@ def _raise_first_error(errors: dict[int, BaseException], hung: list[int]) -> Non
         raise RuntimeError(f"ranks {sorted(errors)} exited without an error")
 
 
-def _compare(ref_out: Any, rank_outs: list[Any], layout: Output, atol: float, rtol: float) -> NumericResult:
-    ref_leaves, ref_spec = pytree.tree_flatten(ref_out)
-    per_rank = [_leaves_like(out, ref_spec, rank) for rank, out in enumerate(rank_outs)]
-    checks = [check for i, ref in enumerate(ref_leaves)
-              for check in _check_leaf(ref, [leaves[i] for leaves in per_rank], layout, atol, rtol,
-                                       f" in output leaf {i}" if len(ref_leaves) > 1 else "")]
-    max_abs = max((c.error for c in checks), default=0.0)
-    max_rel = max((c.relative for c in checks), default=0.0)
-    failed = [c for c in checks if not c.ok]
+def _compare(ref_out: list[torch.Tensor], rank_outs: list[list[torch.Tensor]], checks: list[Check], atol: float,
+             rtol: float) -> NumericResult:
+    results = [result for check in checks for result in _check(check, ref_out, rank_outs, atol, rtol)]
+    max_abs = max((c.error for c in results), default=0.0)
+    max_rel = max((c.relative for c in results), default=0.0)
+    failed = [c for c in results if not c.ok]
     if failed:
         return NumericResult(False, max_abs, max_rel, max(failed, key=lambda c: c.error).detail)
     return NumericResult(True, max_abs, max_rel, f"all {len(rank_outs)} ranks agree, max error {max_abs:.1e}")
 
 
-def _check_leaf(ref: Any, outs: list[Any], layout: Output, atol: float, rtol: float, where: str) -> list[_Check]:
-    if not isinstance(ref, torch.Tensor):
-        if any(out != ref for out in outs):
-            raise _Mismatch(f"non-tensor output{where} differs: ranks {outs}, reference {ref!r}")
-        return []
-    scale = _max_abs(ref)
-    checks = []
-    for rank, (got, want) in enumerate(zip(outs, _expected(ref, outs, layout, where))):
-        err, index = _max_error(got, want)
-        rel = err / scale if scale > 0 else (0.0 if err == 0 else math.inf)
-        detail = f"rank {rank} differs by {err:.1e}{where} at index {index} (reference max |x| {scale:.1e})"
-        checks.append(_Check(err, rel, err <= atol + rtol * scale, detail))
-    return checks
+def _check(check: Check, ref_out: list[torch.Tensor], rank_outs: list[list[torch.Tensor]], atol: float,
+           rtol: float) -> list[_Check]:
+    where = f" in {check.label}"
+    actual = [outs[check.actual] for outs in rank_outs]
+    if check.relation == "rank":
+        return [_close(rank, got, outs[check.expected], atol, rtol, where)
+                for rank, (got, outs) in enumerate(zip(actual, rank_outs))]
+    ref = ref_out[check.expected]
+    if check.relation == "loss":
+        replicated = [_close(rank, got, ref, atol, rtol, where) for rank, got in enumerate(actual)]
+        if all(c.ok for c in replicated):
+            return replicated
+        return [_close(0, torch.stack(actual).mean(0), ref, atol, rtol, f"{where} (mean over ranks)")]
+    return [_close(rank, got, want, atol, rtol, where)
+            for rank, (got, want) in enumerate(zip(actual, _expected(ref, actual, check.relation, where)))]
 
 
-def _leaves_like(out: Any, ref_spec: pytree.TreeSpec, rank: int) -> list[Any]:
-    leaves, spec = pytree.tree_flatten(out)
-    if spec != ref_spec:
-        raise _Mismatch(f"rank {rank} returns {spec}, the reference returns {ref_spec}")
-    return leaves
+def _close(rank: int, got: torch.Tensor, want: torch.Tensor, atol: float, rtol: float, where: str) -> _Check:
+    if got.shape != want.shape:
+        raise _Mismatch(f"rank {rank} has shape {tuple(got.shape)}{where}, expected {tuple(want.shape)}")
+    scale = _max_abs(want)
+    err, index = _max_error(got, want)
+    rel = err / scale if scale > 0 else (0.0 if err == 0 else math.inf)
+    detail = f"rank {rank} differs by {err:.1e}{where} at index {index} (reference max |x| {scale:.1e})"
+    return _Check(err, rel, err <= atol + rtol * scale, detail)
 
 
-def _expected(ref: torch.Tensor, outs: list[Any], layout: Output, where: str) -> list[torch.Tensor]:
-    """The part of the reference each rank should hold under `layout`; shape errors are mismatches."""
-    for rank, out in enumerate(outs):
-        if not isinstance(out, torch.Tensor):
-            raise _Mismatch(f"rank {rank} returns {type(out).__name__}{where}, the reference a tensor")
-    if layout == ("replicate",):
-        wants = [ref] * len(outs)
-    else:
-        wants = _shards(ref, outs, layout[1], where)
-    for rank, (out, want) in enumerate(zip(outs, wants)):
-        if out.shape != want.shape:
-            raise _Mismatch(f"rank {rank} output{where} has shape {tuple(out.shape)}, expected "
-                            f"{tuple(want.shape)} ({'/'.join(map(str, layout))} of reference {tuple(ref.shape)})")
-    return wants
+def _expected(ref: torch.Tensor, outs: list[torch.Tensor], layout: Output, where: str) -> list[torch.Tensor]:
+    """The part of the reference each rank should hold under `layout`."""
+    return [ref] * len(outs) if layout == ("replicate",) else _shards(ref, outs, layout[1], where)
 
 
 def _shards(ref: torch.Tensor, outs: list[torch.Tensor], dim: int, where: str) -> list[torch.Tensor]:

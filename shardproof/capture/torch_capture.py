@@ -18,30 +18,40 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
+from torch._decomp import get_decompositions
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.tensor import DTensor
-from torch.func import functional_call
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from shardproof.capture.locations import anchor_user_code, locate
 from shardproof.capture.meshes import RealDeviceMeshes, distinct_meshes
 from shardproof.case import Case
-from shardproof.errors import CaptureError, ShardproofError
+from shardproof.errors import CaptureError, CaseError, ShardproofError
 from shardproof.ir.from_fx import Lowerer
-from shardproof.ir.graph import Graph
-from shardproof.state import module_state, rank_inputs, rank_state
+from shardproof.ir.graph import BOUND_LEAF_PREFIX, Graph
+from shardproof.state import module_state
+from shardproof.steps import Check, Program, TrainingProgram, trainable_names
+
+aten = torch.ops.aten
 
 
 @dataclass
 class Captured:
     reference: Graph
     ranks: list[Graph]
+    checks: list[Check]
     seconds: float
 
 
-def capture(case: Case, world_size: int, progress: Callable[[str], None] = lambda _: None) -> Captured:
-    """Trace the reference once and each rank once; every failure becomes a CaptureError."""
+def capture(
+    case: Case, world_size: int, progress: Callable[[str], None] = lambda _: None, train: bool = False,
+    step: bool = False,
+) -> Captured:
+    """Trace the reference once and each rank once; every failure becomes a CaptureError.
+
+    A rank's trace also takes the reference outputs its program is bound to (training mode: the
+    reference gradients) as leaves named `reference-output:<index>`."""
     start = time.perf_counter()
     if case.source is not None:
         anchor_user_code(case.source_functions, case.source.parent)
@@ -50,46 +60,67 @@ def capture(case: Case, world_size: int, progress: Callable[[str], None] = lambd
             ref_model = _build("reference()", case.reference)
             ref_state = module_state(ref_model)
             ref_inputs = tuple(_build("inputs()", case.inputs))
+        program = TrainingProgram(case, trainable_names(ref_model), step) if train else Program(case)
         names = list(ref_state)
         leaf_names = [f"state:{n}" for n in names] + [f"input:{i}" for i in range(len(ref_inputs))]
         leaves = [*ref_state.values(), *ref_inputs]
 
         def unpack(args: tuple) -> tuple[dict[str, torch.Tensor], tuple]:
-            return dict(zip(names, args[: len(names)])), tuple(args[len(names) :])
+            return dict(zip(names, args[: len(names)])), tuple(args[len(names) : len(leaves)])
 
         def run_reference(*args: torch.Tensor) -> list[torch.Tensor]:
-            state, inputs = unpack(args)
-            return _tensors(functional_call(ref_model, state, inputs))
+            return program.reference(ref_model, *unpack(args))
 
         progress("tracing reference")
-        reference = _trace("the reference model", run_reference, leaves, leaf_names, [], None)
-        ranks = []
+        reference_gm = _trace_fx("the reference model", run_reference, leaves, [])
+        bound = [_placeholder(reference_gm, i) for i in program.bound]
+        reference = _lower(reference_gm, leaf_names, [], None)
+        bound_names = [f"{BOUND_LEAF_PREFIX}{i}" for i in program.bound]
+        ranks, checks = [], None
         for rank in range(world_size):
             progress(f"tracing rank {rank}/{world_size}")
             with _process_group(rank, world_size):
                 model = _build(f"distributed({rank}, {world_size})", lambda: case.distributed(rank, world_size))
 
                 def run_rank(*args: torch.Tensor, model=model, rank=rank) -> list[torch.Tensor]:
-                    state, inputs = unpack(args)
-                    local_state = rank_state(case, state, model, rank, world_size)
-                    local_inputs = rank_inputs(case, inputs, rank, world_size)
-                    return _tensors(functional_call(model, local_state, local_inputs))
+                    return program.rank(model, *unpack(args), rank, world_size, list(args[len(leaves) :]))
 
                 with _recorded_reduce_ops() as reduce_ops:
-                    ranks.append(_trace(f"rank {rank}", run_rank, leaves, leaf_names, reduce_ops, rank))
-    return Captured(reference, ranks, time.perf_counter() - start)
+                    gm = _trace_fx(f"rank {rank}", run_rank, leaves + bound, reduce_ops)
+                ranks.append(_lower(gm, leaf_names + bound_names, reduce_ops, rank))
+                rank_checks = program.checks(len(reference.outputs), len(ranks[-1].outputs), trainable_names(model))
+                if checks is not None and [c.label for c in checks] != [c.label for c in rank_checks]:
+                    raise CaseError(f"rank {rank} has other parameters than rank 0; every rank must hold the same names")
+                checks = rank_checks
+    return Captured(reference, ranks, checks or [], time.perf_counter() - start)
 
 
-def _trace(
-    what: str, fn: Callable, leaves: list, leaf_names: list[str], reduce_ops: list[str], rank: int | None
-) -> Graph:
+# Composite backward and optimizer ops, broken into the primitive ops the rules know.
+_DECOMPOSED = get_decompositions([
+    aten.silu_backward, aten.gelu_backward, aten.sigmoid_backward, aten.tanh_backward, aten.threshold_backward,
+    aten.native_layer_norm_backward, aten._softmax_backward_data, aten._log_softmax_backward_data,
+    aten.native_dropout_backward, aten.embedding_dense_backward, aten.lerp, aten.lerp_, aten.addcmul,
+    aten.addcmul_, aten.addcdiv, aten.addcdiv_,
+])
+
+
+def _trace_fx(what: str, fn: Callable, leaves: list, reduce_ops: list[str]) -> fx.GraphModule:
     try:
-        gm = make_fx(fn, tracing_mode="real", record_stack_traces=True)(*leaves)
+        return make_fx(fn, decomposition_table=_DECOMPOSED, tracing_mode="real", record_stack_traces=True)(*leaves)
     except ShardproofError:
         raise
     except Exception as err:  # noqa: BLE001 - any tracing failure is reported with the user's frame
         raise CaptureError(f"tracing {what} failed: {type(err).__name__}: {_first_line(err)}{_user_frame(err)}") from err
+
+
+def _lower(gm: fx.GraphModule, leaf_names: list[str], reduce_ops: list[str], rank: int | None) -> Graph:
     return Lowerer(gm, leaf_names, locate, reduce_ops, _group_ranks, rank).run()
+
+
+def _placeholder(gm: fx.GraphModule, output_index: int) -> torch.Tensor:
+    """A fake tensor shaped like one of a traced graph's outputs."""
+    value = gm.graph.output_node().args[0][output_index].meta["val"]
+    return torch.empty(value.shape, dtype=value.dtype)
 
 
 def _build(what: str, fn: Callable[[], Any]) -> Any:
@@ -100,19 +131,6 @@ def _build(what: str, fn: Callable[[], Any]) -> Any:
         raise
     except Exception as err:  # noqa: BLE001
         raise CaptureError(f"{what} failed: {type(err).__name__}: {_first_line(err)}{_user_frame(err)}") from err
-
-
-def _tensors(output: Any) -> list[torch.Tensor]:
-    """Model outputs as a flat list of plain tensors (DTensors as their local shard)."""
-    if isinstance(output, DTensor):
-        return [output.to_local()]
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, dict):
-        output = list(output.values())
-    if isinstance(output, (list, tuple)):
-        return [t for item in output for t in _tensors(item)]
-    raise CaptureError(f"model returned {type(output).__name__}; return tensors (or a tuple/list/dict of them)")
 
 
 @contextlib.contextmanager

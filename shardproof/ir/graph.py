@@ -6,6 +6,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+# Leaves of a rank graph named with this prefix and an index stand for that reference output
+# (training mode binds the reference gradients into each rank's program).
+BOUND_LEAF_PREFIX = "reference-output:"
+
+
 @dataclass(frozen=True)
 class Location:
     """Where the user wrote the operation: the innermost frame in user code."""

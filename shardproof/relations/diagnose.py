@@ -77,7 +77,7 @@ class Diagnoser:
             return self._at_op(rank, node)
         rank, index = mismatched_outputs[0]
         node = self.ranks[rank][self.ranks[rank].outputs[index]]
-        return self._at_output(rank, node, index)
+        return self._at_output(rank, node)
 
     def _bad(self, rank: int, node: Node) -> bool:
         if node.op in ("leaf", "const"):
@@ -434,7 +434,7 @@ class Diagnoser:
         return all(_is_rank_chunk(rank, part, whole) for part, whole in zip(d_box, r_box))
 
     # --- outputs that differ without any divergent op ---------------------------------------------------
-    def _at_output(self, rank: int, node: Node, index: int) -> Finding:
+    def _at_output(self, rank: int, node: Node) -> Finding:
         t = self.run.ranks[rank][node.id]
         term = self.r.u[t]
         if self.partial(t):
@@ -454,7 +454,7 @@ class Diagnoser:
             return Finding(
                 "discrepancy",
                 "wrong scale",
-                f"wrong scale: output {index} is {have / want} times the reference value",
+                f"wrong scale: {have / want} times the reference value",
                 [(rank, culprit)],
             )
         return self._wrong_axis_finding(rank, node) or self._unexplained(rank, node)

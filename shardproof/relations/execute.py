@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
-from shardproof.ir.graph import Graph, Node
+from shardproof.ir.graph import BOUND_LEAF_PREFIX, Graph, Node
 from shardproof.ir.ops import OPS
 from shardproof.relations.rules import Rules
 
@@ -31,15 +31,17 @@ class Execution:
 
 
 def execute(reference: Graph, ranks: list[Graph], rules: Rules | None = None) -> Execution:
+    """Rank leaves named `reference-output:<i>` stand for the reference's output i (see steps.py)."""
     rules = rules or Rules()
     ref_terms = _run_local(rules, reference, [], 0, len(reference.nodes))
     rules.reference_size = len(rules.u)
+    bound = {f"{BOUND_LEAF_PREFIX}{i}": ref_terms[out] for i, out in enumerate(reference.outputs)}
     rank_terms: list[list[int]] = [[] for _ in ranks]
     cursors = [0] * len(ranks)
     while True:
         for r, graph in enumerate(ranks):
             stop = _next_collective(graph, cursors[r])
-            rank_terms[r] = _run_local(rules, graph, rank_terms[r], cursors[r], stop)
+            rank_terms[r] = _run_local(rules, graph, rank_terms[r], cursors[r], stop, bound)
             cursors[r] = stop
         pending = [r for r, g in enumerate(ranks) if cursors[r] < len(g.nodes)]
         if not pending:
@@ -54,15 +56,18 @@ def _next_collective(graph: Graph, start: int) -> int:
     return len(graph.nodes)
 
 
-def _run_local(rules: Rules, graph: Graph, terms: list[int], start: int, stop: int) -> list[int]:
+def _run_local(
+    rules: Rules, graph: Graph, terms: list[int], start: int, stop: int, bound: dict[str, int] | None = None
+) -> list[int]:
     for node in graph.nodes[start:stop]:
-        terms.append(term_of(rules, node, terms, graph.rank))
+        terms.append(term_of(rules, node, terms, graph.rank, bound or {}))
     return terms
 
 
-def term_of(rules: Rules, node: Node, terms: list[int], rank: int | None) -> int:
+def term_of(rules: Rules, node: Node, terms: list[int], rank: int | None, bound: dict[str, int]) -> int:
     if node.op == "leaf":
-        return rules.leaf(node.attrs[0], node.shape, node.dtype)
+        name = node.attrs[0]
+        return bound[name] if name in bound else rules.leaf(name, node.shape, node.dtype)
     if node.op == "const":
         spec = node.attrs[0]
         if spec[0] == "empty":  # contents never read: unique, so it can match nothing

@@ -36,6 +36,7 @@ class Report:
     unknown: dict[str, str] | None = None
     capture_seconds: float = 0.0
     terms: int = 0
+    notes: list[str] = field(default_factory=list)  # what exactly was proven (e.g. a loss as a mean over ranks)
 
     @property
     def exit_code(self) -> int:
@@ -57,4 +58,5 @@ class Report:
             "distributed_ops": self.distributed_ops,
             "discrepancy": discrepancy,
             "unknown": self.unknown,
+            "notes": self.notes,
         }

@@ -7,10 +7,11 @@ from shardproof.report.model import Report, Site
 
 def render(report: Report) -> str:
     if report.verdict == "equivalent":
-        return (
+        summary = (
             f"equivalent: {report.world_size} ranks, {report.reference_ops:,} reference ops and "
             f"{report.distributed_ops:,} distributed ops proven in {report.seconds:.1f} s"
         )
+        return "\n".join([summary, *(f"  proven: {note}" for note in report.notes)])
     lines = [f"{report.verdict}: {report.diagnosis}"]
     for site in report.distributed:
         lines.append(f"  rank {site.rank}  {_site(site)}")

@@ -1,0 +1,175 @@
+"""What each side runs and which equalities between their results are claimed.
+
+A `Program` turns a case into two functions of plain tensors, one for the reference and one for a
+rank, plus the list of `Check`s to prove on every rank. The same functions are traced on fake
+tensors (capture) and run on random weights (the numeric oracle), so both judge the same claims.
+
+Forward mode claims each model output relates to the reference output by the case's OUTPUT layout.
+Training mode (`--train`) claims, for one step, that
+- the loss equals the reference loss on every rank, or their mean over ranks does (data parallel:
+  each rank's loss is the mean over its own batch shard, so the claim is the mean of means);
+- every rank's gradient of a parameter is built from the reference gradients exactly as that
+  parameter is built from the reference parameters (by `shard_state` or the default loader);
+- with `--step`, the same for the parameters after one optimizer step.
+The expected gradient is computed on the rank side by running the rank's loader on the reference
+gradients, which the rank program receives as extra inputs ("bound" reference outputs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.func import functional_call
+from torch.nn.utils.stateless import _reparametrize_module
+
+from shardproof.case import Case, Output
+from shardproof.errors import CaseError
+from shardproof.state import rank_inputs, rank_state
+
+Tensors = list[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Check:
+    """One claim, proven on every rank: a rank output equals an expected value.
+
+    `relation` is the case's Output layout (expected = reference output `expected`), "loss"
+    (reference output `expected`, replicated or as a mean over ranks) or "rank" (expected = this
+    rank's own output `expected`, which the rank computed from bound reference outputs)."""
+
+    label: str
+    actual: int
+    expected: int
+    relation: Output | str
+
+
+class Program:
+    """The forward program: the model's outputs under the case's OUTPUT layout."""
+
+    bound: tuple[int, ...] = ()  # reference outputs each rank program receives
+
+    def __init__(self, case: Case):
+        self.case = case
+
+    def reference(self, model: torch.nn.Module, state: dict, inputs: tuple) -> Tensors:
+        return flat_tensors(functional_call(model, state, inputs))
+
+    def rank(self, model: torch.nn.Module, ref_state: dict, inputs: tuple, rank: int, world_size: int,
+             bound: Tensors) -> Tensors:
+        state = rank_state(self.case, ref_state, model, rank, world_size)
+        return flat_tensors(functional_call(model, state, rank_inputs(self.case, inputs, rank, world_size)))
+
+    def checks(self, reference_outputs: int, rank_outputs: int, rank_params: list[str]) -> list[Check]:
+        if rank_outputs != reference_outputs:
+            raise CaseError(f"a rank returns {rank_outputs} tensors but the reference returns {reference_outputs}")
+        layout = self.case.output_layout()
+        return [Check(f"output {i}", i, i, layout) for i in range(reference_outputs)]
+
+
+class TrainingProgram(Program):
+    """One training step: loss, gradients and (with `step`) the updated parameters."""
+
+    def __init__(self, case: Case, reference_params: list[str], step: bool):
+        super().__init__(case)
+        if case.loss is None:
+            raise CaseError("training mode needs `def loss(output, *inputs)` in the case file")
+        self.names = reference_params
+        self.step = step
+        count = len(reference_params)
+        self.bound = tuple(range(1, 1 + (2 if step else 1) * count))
+
+    def reference(self, model: torch.nn.Module, state: dict, inputs: tuple) -> Tensors:
+        params = _trainable(state, self.names)
+        loss = self.case.loss(functional_call(model, {**state, **params}, inputs), *inputs)
+        grads = _gradients(loss, params)
+        if not self.step:
+            return [loss, *grads]
+        _optimizer_step(self._optimizer, params, grads)
+        return [loss, *grads, *params.values()]
+
+    def rank(self, model: torch.nn.Module, ref_state: dict, inputs: tuple, rank: int, world_size: int,
+             bound: Tensors) -> Tensors:
+        local = rank_state(self.case, ref_state, model, rank, world_size)
+        local_inputs = rank_inputs(self.case, inputs, rank, world_size)
+        names = trainable_names(model)
+        params = _trainable(local, names)
+        if self.case.distributed_step is not None:
+            with _reparametrize_module(model, {**local, **params}):
+                loss = self.case.distributed_step(model, local_inputs, rank, world_size)
+            if not isinstance(loss, torch.Tensor):
+                raise CaseError("distributed_step(model, inputs, rank, world_size) must return the loss tensor")
+            grads = [_grad_of(p) for p in params.values()]
+        else:
+            loss = self.case.loss(functional_call(model, {**local, **params}, local_inputs), *local_inputs)
+            grads = _gradients(loss, params)
+            if self.step:
+                _optimizer_step(self._optimizer, params, grads)
+        outputs = [loss, *grads, *self._expected(bound[: len(self.names)], ref_state, model, rank, world_size, names)]
+        if self.step:
+            updated = self._expected(bound[len(self.names) :], ref_state, model, rank, world_size, names)
+            outputs += [*params.values(), *updated]
+        return [_local(t) for t in outputs]
+
+    def checks(self, reference_outputs: int, rank_outputs: int, rank_params: list[str]) -> list[Check]:
+        count = len(rank_params)
+        checks = [Check("loss", 0, 0, "loss")]
+        checks += [Check(f"gradient of `{n}`", 1 + i, 1 + count + i, "rank") for i, n in enumerate(rank_params)]
+        if self.step:
+            first = 1 + 2 * count
+            checks += [Check(f"`{n}` after the optimizer step", first + i, first + count + i, "rank")
+                       for i, n in enumerate(rank_params)]
+        return checks
+
+    def _optimizer(self, params: Tensors) -> torch.optim.Optimizer:
+        make = self.case.optimizer or (lambda ps: torch.optim.SGD(ps, lr=0.1))
+        return make(params)
+
+    def _expected(self, values: Tensors, ref_state: dict, model: torch.nn.Module, rank: int, world_size: int,
+                  names: list[str]) -> Tensors:
+        """The rank's loader applied to reference values in place of the reference parameters."""
+        substituted = {**ref_state, **dict(zip(self.names, values))}
+        local = rank_state(self.case, substituted, model, rank, world_size)
+        return [local[name] for name in names]
+
+
+def trainable_names(model: torch.nn.Module) -> list[str]:
+    return [name for name, p in model.named_parameters() if p.requires_grad]
+
+
+def flat_tensors(output: Any) -> Tensors:
+    """Model outputs as a flat list of plain tensors (DTensors as their local shard)."""
+    if isinstance(output, torch.Tensor):
+        return [_local(output)]
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (list, tuple)):
+        return [t for item in output for t in flat_tensors(item)]
+    raise CaseError(f"model returned {type(output).__name__}; return tensors (or a tuple/list/dict of them)")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _trainable(state: dict, names: list[str]) -> dict[str, torch.Tensor]:
+    """Fresh leaf copies that require grad, so the step never writes into the caller's tensors."""
+    return {name: state[name].detach().clone().requires_grad_() for name in names}
+
+
+def _gradients(loss: torch.Tensor, params: dict[str, torch.Tensor]) -> Tensors:
+    grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+    return [torch.zeros_like(p) if g is None else g for p, g in zip(params.values(), grads)]
+
+
+def _grad_of(param: torch.Tensor) -> torch.Tensor:
+    """A parameter the step never reached has gradient zero (as after optimizer.zero_grad(set_to_none))."""
+    return torch.zeros_like(param) if param.grad is None else param.grad
+
+
+def _optimizer_step(make: Callable[[Tensors], torch.optim.Optimizer], params: dict, grads: Tensors) -> None:
+    for param, grad in zip(params.values(), grads):
+        param.grad = grad
+    make(list(params.values())).step()
