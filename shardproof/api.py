@@ -111,7 +111,8 @@ def _state_elements(reference: Graph) -> int:
 
 def _site(node: Node, rank: int | None) -> Site:
     loc = node.loc
-    return Site(loc.file if loc else "?", loc.line if loc else 0, loc.code if loc else node.name, node.op, rank)
+    op = f"{node.op} in the backward" if loc and loc.backward else node.op
+    return Site(loc.file if loc else "?", loc.line if loc else 0, loc.code if loc else node.name, op, rank)
 
 
 def _unique(sites: list[Site]) -> list[Site]:

@@ -1,19 +1,30 @@
-"""Source locations: which line of user code issued each traced op."""
+"""Source locations: which line of user code issued each traced op.
+
+An op that autograd's C++ engine emits for a backward formula has no user frame of its own; it is
+located at the forward op it differentiates (matched by autograd sequence number) and marked as a
+backward op. Backward code the user wrote (custom autograd Functions, gradient hooks) keeps its
+own line.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import PythonKeyTracer
 from torch.fx.proxy import _register_stack_trace_anchor
 
 from shardproof.ir.graph import Location
 
 _TORCH_DIR = str(Path(torch.__file__).parent)
+_OWN_DIR = str(Path(__file__).parents[1])
+_FORWARD_SEQ = "shardproof_seq_nr"  # meta key: the autograd sequence number a forward op was given
+_GRAD_OF = "shardproof_grad_of"  # meta key: the sequence number of the forward op a backward formula differentiates
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\n\s*(?P<code>[^\n]*)')
 
 
@@ -32,12 +43,64 @@ def anchor_user_code(functions: list[Callable], case_dir: Path) -> None:
                     _register_stack_trace_anchor(fn)
 
 
+@contextlib.contextmanager
+def autograd_origins() -> Iterator[None]:
+    """While tracing, tag each FX node with its place in autograd: the sequence number its forward
+    op created, or, for an op of a backward formula, the number of the forward op it belongs to."""
+    original = PythonKeyTracer.create_node
+
+    def create_node(self: PythonKeyTracer, *args: Any, **kwargs: Any) -> fx.Node:
+        node = original(self, *args, **kwargs)
+        running = torch._C._current_autograd_node()
+        if running is None:
+            node.meta[_FORWARD_SEQ] = torch.autograd._get_sequence_nr() - 1
+        elif not _user_code_below_engine():
+            node.meta[_GRAD_OF] = running._sequence_nr()
+        return node
+
+    PythonKeyTracer.create_node = create_node
+    try:
+        yield
+    finally:
+        PythonKeyTracer.create_node = original
+
+
+def _user_code_below_engine() -> bool:
+    """Whether the current op comes from Python that autograd's engine called (a custom backward, a hook)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if frame.f_code.co_name == "_engine_run_backward" and name.startswith(_TORCH_DIR):
+            return False
+        if not name.startswith(_TORCH_DIR) and not name.startswith(_OWN_DIR):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def locator(gm: fx.GraphModule) -> Callable[[fx.Node], Location | None]:
+    """`locate` for one traced graph, sending backward formulas to their forward op's line."""
+    forward: dict[int, fx.Node] = {}
+    for node in gm.graph.nodes:
+        if _FORWARD_SEQ in node.meta:
+            forward.setdefault(node.meta[_FORWARD_SEQ], node)
+
+    def locate_in_graph(node: fx.Node) -> Location | None:
+        origin = forward.get(node.meta[_GRAD_OF]) if _GRAD_OF in node.meta else None
+        if origin is None:
+            return locate(node)
+        found = locate(origin)
+        return None if found is None else Location(found.file, found.line, found.code, backward=True)
+
+    return locate_in_graph
+
+
 def locate(node: fx.Node) -> Location | None:
     """The innermost frame outside torch itself: the user's line that produced this op."""
     trace = node.meta.get("stack_trace")
     if not trace:
         return None
-    frames = [m for m in _FRAME.finditer(trace) if not m["file"].startswith(_TORCH_DIR)]
+    frames = [m for m in _FRAME.finditer(trace) if not m["file"].startswith((_TORCH_DIR, _OWN_DIR))]
     if not frames:
         return None
     last = frames[-1]

@@ -24,7 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from shardproof.capture.locations import anchor_user_code, locate
+from shardproof.capture.locations import anchor_user_code, autograd_origins, locator
 from shardproof.capture.meshes import RealDeviceMeshes, distinct_meshes
 from shardproof.case import Case
 from shardproof.errors import CaptureError, CaseError, ShardproofError
@@ -106,7 +106,8 @@ _DECOMPOSED = get_decompositions([
 
 def _trace_fx(what: str, fn: Callable, leaves: list, reduce_ops: list[str]) -> fx.GraphModule:
     try:
-        return make_fx(fn, decomposition_table=_DECOMPOSED, tracing_mode="real", record_stack_traces=True)(*leaves)
+        with autograd_origins():
+            return make_fx(fn, decomposition_table=_DECOMPOSED, tracing_mode="real", record_stack_traces=True)(*leaves)
     except ShardproofError:
         raise
     except Exception as err:  # noqa: BLE001 - any tracing failure is reported with the user's frame
@@ -114,7 +115,7 @@ def _trace_fx(what: str, fn: Callable, leaves: list, reduce_ops: list[str]) -> f
 
 
 def _lower(gm: fx.GraphModule, leaf_names: list[str], reduce_ops: list[str], rank: int | None) -> Graph:
-    return Lowerer(gm, leaf_names, locate, reduce_ops, _group_ranks, rank).run()
+    return Lowerer(gm, leaf_names, locator(gm), reduce_ops, _group_ranks, rank).run()
 
 
 def _placeholder(gm: fx.GraphModule, output_index: int) -> torch.Tensor:

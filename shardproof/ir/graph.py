@@ -18,6 +18,7 @@ class Location:
     file: str
     line: int
     code: str
+    backward: bool = False  # an op of this line's backward formula
 
     def short(self) -> str:
         return f"{self.file.rsplit('/', 1)[-1]}:{self.line}"
