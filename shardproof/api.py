@@ -41,7 +41,7 @@ def verify(
 
     Pass a case (a Case or the path of a case file) or its parts as keywords. `train` proves one
     training step's loss and gradients instead of the forward outputs; `step` also the parameters
-    after the optimizer step (it implies `train`). Raises ShardproofError subclasses for unusable
+    after the optimizer step (it implies `train`); without either, the case's MODE decides. Raises ShardproofError subclasses for unusable
     input (missing file, untraceable model, ...).
     """
     if case is None:
@@ -53,16 +53,17 @@ def verify(
     if preset is not None:
         case.use_preset(preset)
     n = world_size or case.world_size
+    mode = case.resolve_mode(train, step)
     start = time.perf_counter()
     try:
-        captured = capture(case, n, progress, train=train or step, step=step)
+        captured = capture(case, n, progress, mode)
     except UnsupportedOp as err:
         return Report("unknown", n, time.perf_counter() - start, 0, 0, str(err), unknown={"op": err.op, "reason": str(err)})
     progress("proving")
     proof = prove(captured)
     if proof.finding is not None and proof.verdict == "discrepancy":
         progress("confirming the discrepancy on random weights")
-        numbers = lambda: run_numeric(case, n, train=train or step, step=step)  # noqa: E731
+        numbers = lambda: run_numeric(case, n, mode=mode)  # noqa: E731
         proof.finding = _confirmed(numbers, proof.finding, _state_elements(captured.reference))
     report = Report(
         proof.verdict,

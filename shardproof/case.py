@@ -18,6 +18,7 @@ import torch
 from shardproof.errors import CaseError
 
 Output = tuple[str, ...] | tuple[str, int]
+MODES = ("forward", "train", "step")  # what is proven: outputs; loss and gradients; also the updated parameters
 
 
 @dataclass
@@ -34,12 +35,17 @@ class Case:
     loss: Callable[..., torch.Tensor] | None = None  # training mode: loss(output, *inputs)
     distributed_step: Callable[..., torch.Tensor] | None = None  # the user's own training step
     optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None
+    mode: str = "forward"  # default for the CLI's --train / --step
     source: Path | None = None
     source_functions: list[Callable] = field(default_factory=list)
     module: ModuleType | None = None
 
     def output_layout(self) -> Output:
         return normalize_output(self.output)
+
+    def resolve_mode(self, train: bool = False, step: bool = False) -> str:
+        """The flags win over the case's MODE; `step` implies training."""
+        return "step" if step else "train" if train and self.mode != "step" else self.mode
 
     def use_preset(self, name: str) -> None:
         """Set the case module's CONFIG to PRESETS[name] (case functions read CONFIG when called)."""
@@ -82,10 +88,17 @@ def load_case(path: str | Path) -> Case:
         loss=getattr(module, "loss", None),
         distributed_step=getattr(module, "distributed_step", None),
         optimizer=getattr(module, "optimizer", None),
+        mode=_mode(getattr(module, "MODE", "forward")),
         source=path.resolve(),
         source_functions=_functions_defined_in(module),
         module=module,
     )
+
+
+def _mode(mode: Any) -> str:
+    if mode not in MODES:
+        raise CaseError(f"MODE must be one of {', '.join(MODES)}, got {mode!r}")
+    return mode
 
 
 def _import_file(path: Path) -> ModuleType:

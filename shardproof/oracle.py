@@ -33,7 +33,7 @@ from torch.utils import _pytree as pytree
 from shardproof.case import Case, Output
 from shardproof.errors import CaseError
 from shardproof.state import module_state
-from shardproof.steps import Check, Program, TrainingProgram, trainable_names
+from shardproof.steps import Check, program_for, trainable_names
 
 # The threaded process group swaps torch's global c10d world: one oracle run at a time.
 _LOCK = threading.Lock()
@@ -66,8 +66,7 @@ class _Mismatch(Exception):
 
 
 def run_numeric(
-    case: Case, world_size: int, seed: int = 0, atol: float = 1e-6, rtol: float = 1e-6, train: bool = False,
-    step: bool = False,
+    case: Case, world_size: int, seed: int = 0, atol: float = 1e-6, rtol: float = 1e-6, mode: str | None = None
 ) -> NumericResult:
     """Agree when every check of the case's program (steps.py) holds on every rank to within
     `atol + rtol * max|expected|`."""
@@ -77,7 +76,7 @@ def run_numeric(
         _randomise_parameters(ref)
         inputs = pytree.tree_map_only(torch.Tensor, _random_like, tuple(case.inputs()))
         ref_state = module_state(ref)
-        program = TrainingProgram(case, trainable_names(ref), step) if train or step else Program(case)
+        program = program_for(case, ref, mode or case.mode)
         ref_out = [t.detach() for t in program.reference(ref, _private(ref_state), _private(inputs))]
         bound = [ref_out[i] for i in program.bound]
         names: list[list[str]] = [[] for _ in range(world_size)]

@@ -135,6 +135,13 @@ class TrainingProgram(Program):
         return [local[name] for name in names]
 
 
+def program_for(case: Case, reference: torch.nn.Module, mode: str) -> Program:
+    """The program proven in `mode` (see case.MODES)."""
+    if mode == "forward":
+        return Program(case)
+    return TrainingProgram(case, trainable_names(reference), step=mode == "step")
+
+
 def trainable_names(model: torch.nn.Module) -> list[str]:
     return [name for name, p in model.named_parameters() if p.requires_grad]
 

@@ -31,7 +31,7 @@ from shardproof.errors import CaptureError, CaseError, ShardproofError
 from shardproof.ir.from_fx import Lowerer
 from shardproof.ir.graph import BOUND_LEAF_PREFIX, Graph
 from shardproof.state import module_state
-from shardproof.steps import Check, Program, TrainingProgram, trainable_names
+from shardproof.steps import Check, program_for, trainable_names
 
 aten = torch.ops.aten
 
@@ -45,8 +45,7 @@ class Captured:
 
 
 def capture(
-    case: Case, world_size: int, progress: Callable[[str], None] = lambda _: None, train: bool = False,
-    step: bool = False,
+    case: Case, world_size: int, progress: Callable[[str], None] = lambda _: None, mode: str = "forward"
 ) -> Captured:
     """Trace the reference once and each rank once; every failure becomes a CaptureError.
 
@@ -60,7 +59,7 @@ def capture(
             ref_model = _build("reference()", case.reference)
             ref_state = module_state(ref_model)
             ref_inputs = tuple(_build("inputs()", case.inputs))
-        program = TrainingProgram(case, trainable_names(ref_model), step) if train else Program(case)
+        program = program_for(case, ref_model, mode)
         names = list(ref_state)
         leaf_names = [f"state:{n}" for n in names] + [f"input:{i}" for i in range(len(ref_inputs))]
         leaves = [*ref_state.values(), *ref_inputs]

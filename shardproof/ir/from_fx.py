@@ -703,6 +703,9 @@ _LOWER: dict[str, Callable[..., Value]] = {
     "aten.copy": _copy,
     "aten.fill": _fill,
     "aten.zero": _filled(0),
+    # the optimizer's profiling scopes: no value
+    "profiler._record_function_enter_new": lambda lo, *args, **kwargs: None,
+    "profiler._record_function_exit": lambda lo, *args, **kwargs: None,
     "c10d.allreduce_": _all_reduce_inplace,
     "c10d.allgather_": _all_gather_list,
     "c10d._allgather_base_": _all_gather_base,

@@ -482,12 +482,18 @@ class Diagnoser:
         return node
 
     def _piece_origin(self, rank: int, node: Node) -> Node | None:
-        """The op where a partial sum was created (a contraction or reduction over a shard)."""
-        terms = self.run.ranks[rank]
-        for ancestor in _ancestors(self.ranks[rank], node):
-            if ancestor.op not in LAYOUT_OPS and self.partial(terms[ancestor.id]):
-                return ancestor
-        return None
+        """The op where the partial sum that reaches `node` unreduced was created (a contraction or
+        reduction over a shard): the earliest op of the chain of partial values ending at `node`.
+        Partial values reduced on the way (a row-parallel matmul before its all-reduce) are not it."""
+        graph, terms = self.ranks[rank], self.run.ranks[rank]
+        chain, stack = {node.id}, [node]
+        while stack:
+            for i in stack.pop().inputs:
+                if i not in chain and self.partial(terms[i]):
+                    chain.add(i)
+                    stack.append(graph[i])
+        origins = [graph[i] for i in sorted(chain) if graph[i].op not in LAYOUT_OPS]
+        return origins[0] if origins else None
 
     def _slice_source(self, node_id: int, ranges: list[tuple[int, int, Fraction]]) -> tuple[int, Node] | None:
         """The loader slice, on a rank whose share is not its own, that picked a summed part."""
