@@ -220,8 +220,11 @@ def inputs() -> tuple:
 
 
 def shard_state(ref_state: dict, rank: int, world_size: int) -> dict:
+    return shard_llama_state(CONFIG, ref_state, rank, world_size)
+
+
+def shard_llama_state(c: LlamaConfig, ref_state: dict, rank: int, world_size: int) -> dict:
     """The checkpoint loader: this rank's tensors, cut from the reference's with slicing and cat."""
-    c = CONFIG
     d = c.head_dim
     n_q, n_kv, kv_first = _local_heads(c, rank, world_size)
     q_rows, kv_rows = c.n_heads * d, c.n_kv_heads * d

@@ -95,7 +95,7 @@ class TrainingProgram(Program):
         local = rank_state(self.case, ref_state, model, rank, world_size)
         local_inputs = rank_inputs(self.case, inputs, rank, world_size)
         names = trainable_names(model)
-        params = _trainable(local, names)
+        params = _trainable(local, names, dict(model.named_parameters()))
         if self.case.distributed_step is not None:
             with _reparametrize_module(model, {**local, **params}):
                 loss = self.case.distributed_step(model, local_inputs, rank, world_size)
@@ -161,9 +161,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _trainable(state: dict, names: list[str]) -> dict[str, torch.Tensor]:
-    """Fresh leaf copies that require grad, so the step never writes into the caller's tensors."""
-    return {name: state[name].detach().clone().requires_grad_() for name in names}
+def _trainable(state: dict, names: list[str], originals: dict | None = None) -> dict[str, torch.Tensor]:
+    """Fresh leaf copies that require grad, so the step never writes into the caller's tensors.
+    They keep the Python attributes of the model's own parameters (e.g. Megatron's
+    `sequence_parallel` flag), which a user's step may read."""
+    params = {name: state[name].detach().clone().requires_grad_() for name in names}
+    for name, param in params.items():
+        param.__dict__.update(getattr((originals or {}).get(name), "__dict__", {}))
+    return params
 
 
 def _gradients(loss: torch.Tensor, params: dict[str, torch.Tensor]) -> Tensors:

@@ -302,6 +302,42 @@ def _select(lo: Lowerer, x, dim: int, index: int) -> int:
     return lo.emit("view", (piece,), (out_shape,), out_shape, lo.dtype(value))
 
 
+def _slice_scatter(lo: Lowerer, base, src, dim: int = 0, start=None, end=None, step: int = 1) -> int:
+    return _written_over(lo, lo.tensor(base), lo.tensor(src), dim, start, end, step)
+
+
+def _slice_backward(lo: Lowerer, grad, input_sizes: list[int], dim: int, start: int, end: int, step: int) -> int:
+    """The gradient of a slice: the slice's gradient in place, zeros elsewhere."""
+    value = lo.tensor(grad)
+    return _written_over(lo, _zeros(lo, input_sizes, value), value, dim, start, end, step)
+
+
+def _select_backward(lo: Lowerer, grad, input_sizes: list[int], dim: int, index: int) -> int:
+    value = lo.tensor(grad)
+    dim = _dim(dim, len(input_sizes))
+    index = index + input_sizes[dim] if index < 0 else index
+    shape = tuple(input_sizes[:dim]) + (1,) + tuple(input_sizes[dim + 1 :])
+    row = lo.emit("view", (value,), (shape,), shape, lo.dtype(value))
+    return _written_over(lo, _zeros(lo, input_sizes, value), row, dim, index, index + 1)
+
+
+def _written_over(lo: Lowerer, base: int, src: int, dim: int, start: int | None, end: int | None, step: int) -> int:
+    """`base` with `src` written over [start, end) of `dim`: the untouched parts of base around src."""
+    shape = lo.shape(base)
+    dim = _dim(dim, len(shape))
+    if step != 1:
+        raise UnsupportedOp("slice_scatter with step != 1", _at(lo.locate(lo.current)))
+    start = 0 if start is None else (start + shape[dim] if start < 0 else start)
+    end = shape[dim] if end is None else min(end + shape[dim] if end < 0 else end, shape[dim])
+    parts = [slice_value(lo, base, dim, 0, start), src, slice_value(lo, base, dim, end, shape[dim])]
+    parts = [p for p in parts if lo.shape(p)[dim] > 0]
+    return parts[0] if len(parts) == 1 else lo.emit("cat", tuple(parts), (dim,))
+
+
+def _zeros(lo: Lowerer, shape: list[int], like: int) -> int:
+    return lo.emit("const", (), (("full", 0),), tuple(shape), lo.dtype(like))
+
+
 def _split_sizes(lo: Lowerer, x, sizes: list[int], dim: int = 0) -> tuple[int, ...]:
     value = lo.tensor(x)
     dim = _dim(dim, len(lo.shape(value)))
@@ -490,8 +526,17 @@ def _mm(lo: Lowerer, a, b) -> int:
 
 
 def _flattened_source(lo: Lowerer, value: int) -> int | None:
-    """The tensor a `view` flattened leading dims of, keeping the trailing matrix dims."""
+    """The tensor a `view` flattened leading dims of, keeping the trailing matrix dims (also through
+    a transpose of the matrix dims, as bmm's backward applies to its saved flattened operands)."""
     node = lo.graph[value]
+    if node.op == "permute" and len(node.shape) == 3 and node.attrs[0] == (0, 2, 1):
+        src = _flattened_source(lo, node.inputs[0])
+        if src is None:
+            return None
+        n = len(lo.shape(src))
+        perm = tuple(range(n - 2)) + (n - 1, n - 2)
+        shape = lo.shape(src)[:-2] + node.shape[-2:]
+        return lo.emit("permute", (src,), (perm,), shape, node.dtype)
     if node.op != "view":
         return None
     src = node.inputs[0]
@@ -641,6 +686,9 @@ _LOWER: dict[str, Callable[..., Value]] = {
     "aten.permute": _permute,
     "aten.slice": _slice,
     "aten.narrow": _narrow,
+    "aten.slice_scatter": _slice_scatter,
+    "aten.slice_backward": _slice_backward,
+    "aten.select_backward": _select_backward,
     "aten.select": _select,
     "aten.split": _split,
     "aten.split_with_sizes": _split_sizes,

@@ -13,6 +13,7 @@ Every rule is an equality over the reals; each has a numeric test in tests/relat
 from __future__ import annotations
 
 import math
+import itertools
 from fractions import Fraction
 from typing import Any, Callable
 
@@ -181,13 +182,16 @@ class Rules:
         return None
 
     def _cat_region(self, t: int) -> tuple[int, Box]:
-        """cat(X1[box], X2[box]) = cat(X1, X2)[box] when the box leaves the cat dim whole."""
+        """cat(X1[box], X2[box]) = cat(X1, X2)[box] when the box leaves the cat dim whole; a constant
+        part (the zeros a slice's gradient is padded with) fits any box."""
         term = self.u[t]
         dim = term.attrs[0]
-        regions = [self.as_region(p) for p in term.args]
+        regions = [self.as_region(p) for p in term.args if self.u[p].op != "full"] or [self.as_region(term.args[0])]
         first_root, first_box = regions[0]
         box = tuple((0, term.shape[dim]) if d == dim else r for d, r in enumerate(first_box))
         global_shape = tuple(term.shape[dim] if d == dim else s for d, s in enumerate(self.shape(first_root)))
+        if len(global_shape) != len(term.shape):
+            return t, full_box(term.shape)
         whole = self.unslice(t, box, global_shape)
         return (whole, box) if whole is not None else (t, full_box(term.shape))
 
@@ -337,8 +341,8 @@ class Rules:
             moved = self._view_bcast(x, shape)
             if moved is not None:
                 return moved
-        if term.op == "slice":
-            root, region = term.args[0], term.attrs[0]
+        root, region = (term.args[0], term.attrs[0]) if term.op == "slice" else self._cat_region(x) if term.op == "cat" else (x, None)
+        if root != x:  # a region of a larger tensor (a cat may be one: a head range padded with zeros)
             split = view_of_box(self.shape(root), region, shape, ones_split=True)
             plain = view_of_box(self.shape(root), region, shape)
             if split is not None and split != plain:
@@ -350,6 +354,10 @@ class Rules:
         inserted = _inserted_ones(term.shape, shape)
         if inserted is not None:
             return self.bcast(x, shape, inserted)
+        if term.op == "cat":
+            moved = self._view_cat(x, shape)
+            if moved is not None:
+                return moved
         if term.op == "permute":
             moved = self._view_permute(x, shape)
             if moved is not None:
@@ -359,6 +367,21 @@ class Rules:
             lifted = self.view(rows, shape[:-1] + self.shape(rows)[-1:])
             return self.build("matmul", (lifted, inner), term.attrs, shape, term.dtype)
         return self.literal("view", (x,), (), shape, term.dtype)
+
+    def _view_cat(self, x: int, shape: tuple[int, ...]) -> int | None:
+        """A reshape that leaves the cat dim alone (its own group) reshapes each part the same way."""
+        term = self.u[x]
+        dim = term.attrs[0]
+        groups = reshape_groups(term.shape, shape)
+        alone = [dst for src, dst in (groups or []) if src == [dim] and len(dst) == 1]
+        if not alone:
+            return None
+        out_dim = alone[0][0]
+        parts = []
+        for p in term.args:
+            part_shape = tuple(self.shape(p)[dim] if d == out_dim else s for d, s in enumerate(shape))
+            parts.append(self.view(p, part_shape))
+        return self.cat(parts, out_dim)
 
     def _view_permute(self, x: int, shape: tuple[int, ...]) -> int | None:
         """view(permute(Y, p)) as permute(view(permute(Y, r)), q): r makes each merged group of
@@ -776,7 +799,35 @@ def _matmul(r: Rules, op: str, args, attrs, shape, dtype) -> int:
                 out_shape[free_dim] = r.shape(p)[term.attrs[0]]
                 parts.append(r.build("matmul", pair, attrs, tuple(out_shape), dtype))
             return r.cat(parts, free_dim)
+    split = _split_contraction(r, a, b, attrs, shape, dtype)
+    if split is not None:
+        return split
     return _matmul_slices(r, a, b, attrs, shape, dtype)
+
+
+def _split_contraction(r: Rules, a: int, b: int, attrs, shape, dtype) -> int | None:
+    """A contraction over a concatenation is the sum of the contractions over its parts:
+    cat(a1, a2) @ cat(b1, b2) = a1 @ b1 + a2 @ b2 (an operand that is not a cat is sliced at the
+    other's boundaries). Backward of a fused projection: the gradient of cat(gate, up) times the
+    fused weight."""
+    a_dim, b_dim = len(r.shape(a)) - 1, len(r.shape(b)) - 2
+    ta, tb = r.u[a], r.u[b]
+    a_cat = ta.op == "cat" and ta.attrs[0] == a_dim
+    b_cat = tb.op == "cat" and tb.attrs[0] == b_dim
+    if not (a_cat or b_cat):
+        return None
+    cuts = sorted(set(_cat_cuts(r, a, a_cat, a_dim)) | set(_cat_cuts(r, b, b_cat, b_dim)))
+    terms = []
+    for lo, hi in zip(cuts, cuts[1:]):
+        part_a = r.slice(a, tuple((lo, hi) if d == a_dim else (0, s) for d, s in enumerate(r.shape(a))))
+        part_b = r.slice(b, tuple((lo, hi) if d == b_dim else (0, s) for d, s in enumerate(r.shape(b))))
+        terms.append((r.build("matmul", (part_a, part_b), attrs, shape, dtype), Fraction(1)))
+    return r.lin(terms)
+
+
+def _cat_cuts(r: Rules, t: int, is_cat: bool, dim: int) -> list[int]:
+    sizes = [r.shape(p)[dim] for p in r.u[t].args] if is_cat else [r.shape(t)[dim]]
+    return [0, *itertools.accumulate(sizes)]
 
 
 def _matmul_slices(r: Rules, a: int, b: int, attrs, shape, dtype) -> int:
@@ -793,12 +844,26 @@ def _matmul_slices(r: Rules, a: int, b: int, attrs, shape, dtype) -> int:
     if shared_batch and (len(sa) != len(sb) or sa[:-2] != sb[:-2] or box_a[:-2] != box_b[:-2]):
         return r.literal("matmul", (a, b), attrs, shape, dtype)
     if sa[-1] != sb[-2] or box_a[-1] != box_b[-2]:
-        return r.literal("matmul", (a, b), attrs, shape, dtype)
+        matched = _matching_contraction(r, a, ra, box_a, b, rb, box_b)
+        if matched is None:
+            return r.literal("matmul", (a, b), attrs, shape, dtype)
+        ra, box_a, rb, box_b = matched
+        sa, sb = r.shape(ra), r.shape(rb)
     global_shape = sa[:-1] + sb[-1:]
     core = r.build("matmul", (ra, rb), attrs, global_shape, dtype)
     out = r.slice(core, box_a[:-1] + box_b[-1:])
     lo, hi = box_a[-1]
     return r.piece(out, ("matmul", core), lo, hi, sa[-1])
+
+
+def _matching_contraction(r: Rules, a: int, ra: int, box_a: Box, b: int, rb: int, box_b: Box):
+    """Roots of both operands that agree on the contracted dim, among the regions the reference
+    sliced out (rank rows of the gate half of a fused gate_up weight against the reference's gate)."""
+    for root_a, region_a in r.regions(a):
+        for root_b, region_b in r.regions(b):
+            if r.shape(root_a)[-1] == r.shape(root_b)[-2] and region_a[-1] == region_b[-2]:
+                return root_a, region_a, root_b, region_b
+    return None
 
 
 def _align_batch(r: Rules, a: int, ra: int, box_a: Box, b: int, rb: int, box_b: Box) -> tuple[int, Box, int, Box]:

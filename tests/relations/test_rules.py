@@ -234,6 +234,25 @@ def test_cat_pulls_a_common_box_out():
     assert b.is_slice_of(y, whole) or b.r.as_region(y.term) == (whole.term, ((1, 3), (0, 8)))
 
 
+def test_cat_with_zeros_pulls_the_box_out():
+    """A slice's gradient padded with zeros, of a head range: that range of the padded whole."""
+    b = Build()
+    x = b.leaf("x", (4, 3))
+    zeros = b.scalar(0.0, (2, 2))
+    y = b.cat([b.sl(x, 0, 1, 3), zeros], 1)
+    b.check(y)
+    whole = b.cat([x, b.scalar(0.0, (4, 2))], 1)
+    assert b.r.as_region(y.term) == (whole.term, ((1, 3), (0, 5)))
+
+
+def test_view_of_cat_keeping_the_cat_dim_is_a_cat_of_views():
+    b = Build()
+    x, y = b.leaf("x", (2, 3, 4)), b.leaf("y", (2, 3, 2))
+    v = b.view(b.cat([x, y], 2), (6, 6))
+    b.check(v)
+    assert v.term == b.cat([b.view(x, (6, 4)), b.view(y, (6, 2))], 1).term
+
+
 def test_all_gather_of_column_shards_is_the_whole():
     """The matmul output sharded over columns, gathered back: the reference's term."""
     b = Build()
@@ -761,6 +780,28 @@ def test_matmul_of_a_cat_on_a_free_dim():
     b.check(y)
     term = b.u[y.term]
     assert term.op == "cat" and term.args == (b.op("matmul", x, w1).term, b.op("matmul", x, w2).term)
+
+
+@SETTINGS
+@given(st.integers(1, 3), st.integers(2, 8), st.integers(1, 3), st.data())
+def test_matmul_over_a_cat_on_the_contracted_dim(m, k, n, data):
+    """cat(a1, a2) @ cat(b1, b2), the parts cut at unrelated points, is the sum of matching parts."""
+    b = Build()
+    x, w = b.leaf("x", (m, k)), b.leaf("w", (k, n))
+    a_points, b_points = data.draw(cuts(k)), data.draw(cuts(k))
+    left = b.cat([b.sl(x, 1, lo, hi) for lo, hi in zip(a_points, a_points[1:])], 1)
+    right = b.cat([b.sl(w, 0, lo, hi) for lo, hi in zip(b_points, b_points[1:])], 0)
+    y = b.op("matmul", left, right)
+    b.check(y)
+    assert y.term == b.op("matmul", x, w).term
+
+
+def test_matmul_over_cats_of_different_tensors():
+    b = Build()
+    g1, g2, w1, w2 = b.leaf("g1", (3, 2)), b.leaf("g2", (3, 4)), b.leaf("w1", (2, 5)), b.leaf("w2", (4, 5))
+    y = b.op("matmul", b.cat([g1, g2], 1), b.cat([w1, w2], 0))
+    b.check(y)
+    assert y.term == b.add(b.op("matmul", g1, w1), b.op("matmul", g2, w2)).term
 
 
 def test_matmul_by_a_scaled_operand():
