@@ -19,7 +19,8 @@ from shardproof.relations.execute import Execution
 from shardproof.relations.layout import reshape_groups
 from shardproof.relations.rules import Rules
 
-STRUCTURAL = {"slice", "cat", "bcast", "repeat", "lin", "piece", "full", "const"}
+PIECES = {"piece", "max_piece"}  # one rank's part of a sum (or max) over ranks
+STRUCTURAL = {"slice", "cat", "bcast", "repeat", "lin", "full", "const", *PIECES}
 LAYOUT_OPS = {"view", "permute", "slice", "expand", "convert", "cat"}
 
 
@@ -60,8 +61,16 @@ class Diagnoser:
         return self.r.in_reference(t) or any(self.r.in_reference(root) for root, _ in self.r.regions(t))
 
     def partial(self, t: int) -> bool:
+        return bool(self.unreduced(t))
+
+    def unreduced(self, t: int) -> set[tuple]:
+        """The pieces (by axis and range) that `t` holds without their sum over ranks."""
         term = self.r.u[t]
-        return term.op == "piece" or (term.op in ("lin", "slice", "bcast", "repeat") and any(self.partial(a) for a in term.args))
+        if term.op in PIECES:
+            return {term.attrs}
+        if term.op in ("lin", "slice", "bcast", "repeat"):
+            return set().union(*(self.unreduced(a) for a in term.args))
+        return set()
 
     # --- entry --------------------------------------------------------------------------------------
     def diagnose(self, mismatched_outputs: list[tuple[int, int]]) -> Finding:

@@ -814,13 +814,12 @@ def _log_softmax(r: Rules, args, attrs, shape, dtype) -> int:
     both sides compute it, so their terms meet op for op."""
     (dim,) = attrs
     x = args[0]
-    rows = tuple(d for d in range(len(shape)) if d != dim)
-    row_shape = tuple(shape[d] for d in rows)
-    over_dim = ((dim,), False)
-    peak = r.bcast(r.build("amax", (x,), over_dim, row_shape, dtype), shape, rows)
+    row_shape = tuple(1 if d == dim else s for d, s in enumerate(shape))  # keepdim, then expand: as it is spelled
+    over_dim = ((dim,), True)
+    peak = r.expand(r.build("amax", (x,), over_dim, row_shape, dtype), shape)
     shifted = r.lin([(x, Fraction(1)), (peak, Fraction(-1))])
     total = r.build("sum", (r.build("exp", (shifted,), (), shape, dtype),), over_dim, row_shape, dtype)
-    log_total = r.bcast(r.build("log", (total,), (), row_shape, dtype), shape, rows)
+    log_total = r.expand(r.build("log", (total,), (), row_shape, dtype), shape)
     return r.lin([(shifted, Fraction(1)), (log_total, Fraction(-1))])
 
 
