@@ -553,21 +553,25 @@ def _index(lo: Lowerer, x, indices) -> int:
     unflattened tensors, where a reference's `gather(logits, -1, labels[..., None])` looks."""
     value = lo.tensor(x)
     shape = lo.shape(value)
-    rows, idx = (lo.tensor(i) if isinstance(i, fx.Node) else None for i in (*indices, None, None)[:2])
-    if len(indices) != 2 or len(shape) < 2 or not _is_arange(lo, rows, shape[0]) or idx is None or lo.shape(idx) != shape[:1]:
-        raise UnsupportedOp("index other than x[arange(n), idx] (a row-wise gather)", _at(lo.locate(lo.current)))
+    unsupported = UnsupportedOp("aten.index other than x[arange(n), idx] (a row-wise gather)", _at(lo.locate(lo.current)))
+    if len(indices) != 2 or len(shape) < 2 or not all(isinstance(i, fx.Node) for i in indices):
+        raise unsupported
+    rows, idx = (lo.tensor(i) for i in indices)
+    if not _is_arange(lo, rows, shape[0]) or lo.shape(idx) != shape[:1]:
+        raise unsupported
     table, ids = _unflattened(lo, value, idx)
     lead = lo.shape(ids)
     tail = lo.shape(table)[len(lead) + 1 :]
+    column_shape = lead + (1,) * (1 + len(tail))
     index_shape = lead + (1,) + tail
-    column = lo.emit("view", (ids,), (lead + (1,) * (1 + len(tail)),), lead + (1,) * (1 + len(tail)), lo.dtype(ids))
+    column = lo.emit("view", (ids,), (column_shape,), column_shape, lo.dtype(ids))
     index = broadcast_to(lo, column, index_shape)
     gathered = lo.emit("gather", (table, index), (len(lead),), index_shape, lo.dtype(table))
     return lo.emit("view", (gathered,), (tuple(lo.current.meta["val"].shape),))
 
 
-def _is_arange(lo: Lowerer, value: int | None, n: int) -> bool:
-    return value is not None and lo.graph[value].op == "const" and lo.graph[value].attrs[0] == ("arange", 0, n, 1)
+def _is_arange(lo: Lowerer, value: int, n: int) -> bool:
+    return lo.graph[value].op == "const" and lo.graph[value].attrs[0] == ("arange", 0, n, 1)
 
 
 def _unflattened(lo: Lowerer, x: int, idx: int) -> tuple[int, int]:
