@@ -63,11 +63,16 @@ class Diagnoser:
     def partial(self, t: int) -> bool:
         return bool(self.unreduced(t))
 
+    def partial_kind(self, terms: list[int]) -> str:
+        """How to name the unreduced value: a partial max when only max pieces are held."""
+        held = set().union(*(self.unreduced(t) for t in terms))
+        return "partial max" if {op for op, _ in held} == {"max_piece"} else "partial sum"
+
     def unreduced(self, t: int) -> set[tuple]:
-        """The pieces (by axis and range) that `t` holds without their sum over ranks."""
+        """The pieces (kind, axis and range) that `t` holds without their sum (or max) over ranks."""
         term = self.r.u[t]
         if term.op in PIECES:
-            return {term.attrs}
+            return {(term.op, term.attrs)}
         if term.op in ("lin", "slice", "bcast", "repeat"):
             return set().union(*(self.unreduced(a) for a in term.args))
         return set()
@@ -227,14 +232,14 @@ class Diagnoser:
     # --- an op whose value the reference never computes ----------------------------------------------
     def _at_op(self, rank: int, node: Node) -> Finding:
         terms = self.run.ranks[rank]
-        partial_inputs = [i for i in node.inputs if self.partial(terms[i])]
+        partial_inputs = [terms[i] for i in node.inputs if self.partial(terms[i])]
         if partial_inputs:
             origin = self._piece_origin(rank, node)
             return Finding(
                 "discrepancy",
                 "missing reduction",
-                f"missing reduction: a partial sum (each rank holds only its share) reaches `{node.op}` without an "
-                f"all-reduce",
+                f"missing reduction: a {self.partial_kind(partial_inputs)} (each rank holds only its share) reaches "
+                f"`{node.op}` without an all-reduce",
                 [(rank, origin), (rank, node)] if origin is not None else [(rank, node)],
                 op=node.op,
             )
@@ -451,8 +456,8 @@ class Diagnoser:
             return Finding(
                 "discrepancy",
                 "missing reduction",
-                "missing reduction: the output is still a partial sum (each rank holds only its share); "
-                "it needs an all-reduce",
+                f"missing reduction: the output is still a {self.partial_kind([t])} (each rank holds only its "
+                "share); it needs an all-reduce",
                 [(rank, origin)] if origin is not None else [(rank, node)],
             )
         parts = list(zip(term.args, term.attrs[0])) if term.op == "lin" else [(t, Fraction(1))]
