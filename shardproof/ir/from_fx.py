@@ -553,7 +553,8 @@ def _index(lo: Lowerer, x, indices) -> int:
     unflattened tensors, where a reference's `gather(logits, -1, labels[..., None])` looks."""
     value = lo.tensor(x)
     shape = lo.shape(value)
-    unsupported = UnsupportedOp("aten.index other than x[arange(n), idx] (a row-wise gather)", _at(lo.locate(lo.current)))
+    where = _at(lo.locate(lo.current))
+    unsupported = UnsupportedOp("aten.index other than x[arange(n), idx] (a row-wise gather)", where)
     if len(indices) != 2 or len(shape) < 2 or not all(isinstance(i, fx.Node) for i in indices):
         raise unsupported
     rows, idx = (lo.tensor(i) for i in indices)

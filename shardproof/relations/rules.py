@@ -2,11 +2,11 @@
 
 Normal form, outermost first: `lin` (linear combinations: sums, scaling, subtraction), `piece`
 (one part of a sum that was split over ranks: a contraction or reduction over a sharded axis,
-or a masked vocab-parallel lookup), `slice` (a box of a larger tensor), `cat`, `bcast`
-(broadcasting), then compute ops. Rules pull slices, concatenations and broadcasts out of ops
-(elementwise ops commute with them, matmul maps them onto its free dims, a contraction over a
-sliced axis becomes a piece), so a rank's value is expressed as a region of the very term the
-reference computes. Rule templates are per op kind (see `shardproof.ir.ops.OPS`), not per op.
+or a masked vocab-parallel lookup) or `max_piece` (one part of a max split over ranks), `slice`
+(a box of a larger tensor), `cat`, `bcast` (broadcasting), then compute ops. Rules pull slices,
+concatenations and broadcasts out of ops (elementwise ops commute with them, matmul maps them
+onto its free dims, a contraction over a sliced axis becomes a piece), so a rank's value is
+expressed as a region of the very term the reference computes. Rule templates are per op kind (see `shardproof.ir.ops.OPS`), not per op.
 Every rule is an equality over the reals; each has a numeric test in tests/relations.
 """
 
@@ -758,7 +758,8 @@ def _reduce(r: Rules, op: str, args, attrs, shape, dtype) -> int:
     term = r.u[x]
     if op == "sum" and term.op in ("lin", "piece"):
         return r._map_linear(x, lambda t: r.build(op, (t,), attrs, shape, dtype), shape)
-    if op in _SPLIT_REDUCTIONS and term.op == "bcast" and term.dtype == dtype and not set(dims) <= set(term.attrs[0]):
+    copies = term.op == "bcast" and not set(dims) <= set(term.attrs[0])
+    if op in _SPLIT_REDUCTIONS and copies and term.dtype == dtype:
         return _reduce_copies(r, op, x, dims, shape, dtype)
     root, box = r.as_region(x)
     if root != x:
@@ -930,8 +931,8 @@ def _gather(r: Rules, op: str, args, attrs, shape, dtype) -> int:
     elementwise along the other dims (slices there, and any slice of the index, move out)."""
     x, index = args
     (dim,) = attrs
-    own_mask = r.u[_unbroadcast(r, index)]
-    if own_mask.op == "where" and _share_lookup(r, x, index, dim, own_mask.args[0]) is not None:
+    masked_index = r.u[_unbroadcast(r, index)]
+    if masked_index.op == "where" and _share_lookup(r, x, index, dim, masked_index.args[0]) is not None:
         # one rank's lookup into its shard of the table: kept whole, so the mask that zeroes the
         # entries other ranks own can make it a piece (see _masked_lookup)
         return r.literal(op, args, attrs, shape, dtype)
@@ -948,28 +949,30 @@ def _gather(r: Rules, op: str, args, attrs, shape, dtype) -> int:
 
 
 def _gather_regions(r: Rules, x: int, index: int, dim: int, attrs: tuple, dtype: str) -> int | None:
-    """gather(X[b], dim, I[b']) = gather(X, dim, I)[b'] when b leaves dim whole and both boxes
-    agree on the other dims (x and index of one shape there)."""
+    """gather(X[b], dim, I[b']) = gather(X, dim, I)[b'] when b leaves dim whole and b, b' agree on
+    the other dims (where x and index have one shape)."""
     x_shape, index_shape = r.shape(x), r.shape(index)
     if any(a != b for d, (a, b) in enumerate(zip(x_shape, index_shape)) if d != dim):
         return None
-
-    def along_dim(box: Box, global_shape: tuple[int, ...], size: int) -> tuple[Box, tuple[int, ...]]:
-        return (
-            tuple((0, size) if d == dim else b for d, b in enumerate(box)),
-            tuple(size if d == dim else s for d, s in enumerate(global_shape)),
-        )
-
-    for t in (x, index):
+    for t, other_size in ((x, index_shape[dim]), (index, x_shape[dim])):
         for root, box in r.regions(t):
             if root == t or (t == x and box[dim] != (0, r.shape(root)[dim])):
                 continue
-            x_box, x_global = along_dim(box, r.shape(root), x_shape[dim]) if t == index else (box, r.shape(root))
-            out_box, out_global = (box, r.shape(root)) if t == index else along_dim(box, r.shape(root), index_shape[dim])
+            region = (box, r.shape(root))
+            other = _whole_along(dim, other_size, *region)
+            (x_box, x_global), (out_box, out_global) = (region, other) if t == x else (other, region)
             whole_x, whole_index = r.region_like(x, x_box, x_global), r.region_like(index, out_box, out_global)
             if whole_x is not None and whole_index is not None:
                 return r.slice(r.build("gather", (whole_x, whole_index), attrs, out_global, dtype), out_box)
     return None
+
+
+def _whole_along(dim: int, size: int, box: Box, shape: tuple[int, ...]) -> tuple[Box, tuple[int, ...]]:
+    """The region `box` of `shape` with dim `dim` replaced by all of a dim of `size`."""
+    return (
+        tuple((0, size) if d == dim else b for d, b in enumerate(box)),
+        tuple(size if d == dim else s for d, s in enumerate(shape)),
+    )
 
 
 # Lookups: ops that read entries of a table (operand 0) along an axis at the ids in operand 1.
@@ -1016,8 +1019,8 @@ def _share_lookup(r: Rules, table: int, index: int, axis: int, mask: int) -> tup
     outside = _outside_range(r, _unbroadcast(r, mask))
     if outside is None or outside[1:] != (lo, hi):
         return None
-    ids = outside[0]
-    if r.shape(ids) != r.shape(_unbroadcast(r, index)) or not _is_shift_of(r, _unbroadcast(r, index), ids, -lo, mask):
+    ids, shifted = outside[0], _unbroadcast(r, index)
+    if r.shape(ids) != r.shape(shifted) or not _is_shift_of(r, shifted, ids, -lo, mask):
         return None
     return root, ids, lo, hi
 

@@ -1087,7 +1087,8 @@ def vocab_parallel_target_logit(b: Build, logits: V, target: V, lo: int, hi: int
         b.op("lt", target, b.scalar(lo, target.shape, torch.int64)),
         b.op("ge", target, b.scalar(hi, target.shape, torch.int64)),
     )
-    local = b.op("where", mask, b.scalar(0, target.shape, torch.int64), b.sub(target, b.scalar(lo, target.shape, torch.int64)))
+    shifted = b.sub(target, b.scalar(lo, target.shape, torch.int64))
+    local = b.op("where", mask, b.scalar(0, target.shape, torch.int64), shifted)
     column = b.view(local, target.shape + (1,))
     picked = b.view(b.op("gather", b.sl(logits, 2, lo, hi), column, attrs=(2,)), target.shape)
     return b.op("where", mask, b.scalar(0.0, target.shape), picked)
