@@ -895,8 +895,13 @@ def test_amax_over_sliced_ranges_combined_by_a_max_is_the_amax(size, keepdim, da
     if len(parts) > 1:
         assert {b.op_of(p) for p in parts} == {"max_piece"}
     total = b.max_over(*parts)
-    assert total.term == b.op("amax", x, attrs=((1,), keepdim)).term
+    whole = b.op("amax", x, attrs=((1,), keepdim))
+    assert total.term == whole.term
     b.check(total)
+    flip = tuple(reversed(range(len(whole.shape))))
+    moved = b.max_over(*[b.sl(b.permute(p, flip), 0, 0, 1) for p in parts])  # layout ops pass through max pieces
+    assert moved.term == b.sl(b.permute(whole, flip), 0, 0, 1).term
+    b.check(moved)
 
 
 def test_max_pieces_are_never_summed():
