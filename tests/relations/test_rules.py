@@ -847,19 +847,6 @@ def test_mlp_megatron_column_then_row(ffn, data):
 
 
 # --- reductions and softmax ------------------------------------------------------------------------------
-@SETTINGS
-@given(st.integers(2, 7), st.booleans(), st.data())
-def test_sum_over_a_sliced_dim_summed_over_ranges(size, keepdim, data):
-    b = Build()
-    x = b.leaf("x", (3, size, 2))
-    points = data.draw(cuts(size))
-    partials = [b.op("sum", b.sl(x, 1, lo, hi), attrs=((1,), keepdim)) for lo, hi in zip(points, points[1:])]
-    total = b.add(*partials)
-    full = b.op("sum", x, attrs=((1,), keepdim))
-    assert total.term == full.term
-    b.check(total)
-
-
 def test_sum_over_a_sliced_dim_with_another_dim_sliced():
     b = Build()
     x = b.leaf("x", (4, 6, 3))
@@ -885,21 +872,24 @@ def test_reduce_over_unsliced_dims_of_a_slice(sb, data):
     b.check(y)
 
 
+@pytest.mark.parametrize("op", ["sum", "amax"])
 @SETTINGS
 @given(st.integers(2, 7), st.booleans(), st.data())
-def test_amax_over_sliced_ranges_combined_by_a_max_is_the_amax(size, keepdim, data):
+def test_reduce_over_sliced_ranges_combined_over_ranks_is_the_whole(op, size, keepdim, data):
+    """Sums over parts of an axis add up to the sum (pieces); maxes combine by a max (max pieces)."""
     b = Build()
     x = b.leaf("x", (3, size, 2))
     points = data.draw(cuts(size))
-    parts = [b.op("amax", b.sl(x, 1, lo, hi), attrs=((1,), keepdim)) for lo, hi in zip(points, points[1:])]
+    parts = [b.op(op, b.sl(x, 1, lo, hi), attrs=((1,), keepdim)) for lo, hi in zip(points, points[1:])]
     if len(parts) > 1:
-        assert {b.op_of(p) for p in parts} == {"max_piece"}
-    total = b.max_over(*parts)
-    whole = b.op("amax", x, attrs=((1,), keepdim))
+        assert {b.op_of(p) for p in parts} == {"piece" if op == "sum" else "max_piece"}
+    combine = b.add if op == "sum" else b.max_over
+    total = combine(*parts)
+    whole = b.op(op, x, attrs=((1,), keepdim))
     assert total.term == whole.term
     b.check(total)
     flip = tuple(reversed(range(len(whole.shape))))
-    moved = b.max_over(*[b.sl(b.permute(p, flip), 0, 0, 1) for p in parts])  # layout ops pass through max pieces
+    moved = combine(*[b.sl(b.permute(p, flip), 0, 0, 1) for p in parts])  # layout ops pass through pieces
     assert moved.term == b.sl(b.permute(whole, flip), 0, 0, 1).term
     b.check(moved)
 
@@ -1020,15 +1010,21 @@ def test_embedding_of_a_column_slice_and_of_sliced_ids():
     assert b.is_slice_of(rows, b.op("embedding", w, ids))
 
 
-def vocab_parallel_rank(b: Build, w: V, ids: V, lo: int, hi: int) -> V:
-    """Megatron's VocabParallelEmbedding on one rank, spelled as the lowering spells it."""
+def masked_local_ids(b: Build, ids: V, lo: int, hi: int) -> tuple[V, V]:
+    """(ids outside [lo, hi), ids - lo set to 0 there): one vocab-parallel rank's ids, spelled as
+    the lowering spells Megatron's masking."""
     mask = b.op(
         "logical_or",
         b.op("lt", ids, b.scalar(lo, ids.shape, torch.int64)),
         b.op("ge", ids, b.scalar(hi, ids.shape, torch.int64)),
     )
     shifted = b.sub(ids, b.scalar(lo, ids.shape, torch.int64))
-    local_ids = b.op("where", mask, b.scalar(0, ids.shape, torch.int64), shifted)
+    return mask, b.op("where", mask, b.scalar(0, ids.shape, torch.int64), shifted)
+
+
+def vocab_parallel_rank(b: Build, w: V, ids: V, lo: int, hi: int) -> V:
+    """Megatron's VocabParallelEmbedding on one rank."""
+    mask, local_ids = masked_local_ids(b, ids, lo, hi)
     rows = b.op("embedding", b.sl(w, 0, lo, hi), local_ids)
     out_shape = rows.shape
     wide_mask = b.expand(b.view(mask, ids.shape + (1,)), out_shape)
@@ -1085,15 +1081,9 @@ def test_gather_of_slices_on_other_dims_and_of_an_index_slice(data):
 
 
 def vocab_parallel_target_logit(b: Build, logits: V, target: V, lo: int, hi: int) -> V:
-    """Megatron's target-logit lookup on one rank, spelled as the lowering spells it
-    (`logits_2d[arange, masked_target]` on flattened tokens is a gather on the unflattened ones)."""
-    mask = b.op(
-        "logical_or",
-        b.op("lt", target, b.scalar(lo, target.shape, torch.int64)),
-        b.op("ge", target, b.scalar(hi, target.shape, torch.int64)),
-    )
-    shifted = b.sub(target, b.scalar(lo, target.shape, torch.int64))
-    local = b.op("where", mask, b.scalar(0, target.shape, torch.int64), shifted)
+    """Megatron's target-logit lookup on one rank (`logits_2d[arange, masked_target]` on flattened
+    tokens lowers to a gather on the unflattened ones)."""
+    mask, local = masked_local_ids(b, target, lo, hi)
     column = b.view(local, target.shape + (1,))
     picked = b.view(b.op("gather", b.sl(logits, 2, lo, hi), column, attrs=(2,)), target.shape)
     return b.op("where", mask, b.scalar(0.0, target.shape), picked)
