@@ -23,10 +23,7 @@ KIND_WORDS = {
 
 
 # Capabilities not there yet, each a strict xfail so the list shrinks as they land.
-KNOWN_GAPS = {
-    "vocab-ce-label-smoothing_buggy": "no rule for aten.gather (label lookup in cross entropy)",
-    "vocab-ce-label-smoothing_fixed": "no rule for aten.gather (label lookup in cross entropy)",
-}
+KNOWN_GAPS: dict[str, str] = {}
 
 
 def _known_gap(path: Path) -> list:

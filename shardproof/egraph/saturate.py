@@ -9,8 +9,8 @@ Every term is `(Node id)`, unioned with its structure over its children's nodes.
 commutativity and associativity, the rules only expand (products and linear ops over sums, scalars
 outwards) and collect coefficients: the two sides meet in their expanded form without the blow-up
 of factoring rules. Sound because:
-- congruence only holds for functions of their arguments' values, and `piece` is not one (its
-  meaning depends on how its argument was computed), so a piece is an atom like a leaf;
+- congruence only holds for functions of their arguments' values, and `piece` (or `max_piece`) is
+  not one (its meaning depends on how its argument was computed), so a piece is an atom like a leaf;
 - opaque ops are keyed by (op, attrs, shape, dtype), since e.g. a view's target is its shape;
 - the algebra is modelled on float terms only (integer `lin` truncates, boolean sums saturate);
 - every `Add` joins operands of one shape, so dropping a zero-scaled operand keeps the shape.
@@ -29,7 +29,7 @@ from egglog.bindings import EggSmolError, EGraph
 from shardproof.relations.rules import FLOAT_DTYPES
 from shardproof.relations.universe import Term, Universe
 
-ATOMS = {"leaf", "full", "const", "piece"}
+ATOMS = {"leaf", "full", "const", "piece", "max_piece"}
 LINEAR_OPS = {"sum", "slice", "view", "permute", "bcast", "repeat"}
 MATCH_LIMIT = 20_000  # back-off: a rule matching more often sits out, so growth stays bounded
 

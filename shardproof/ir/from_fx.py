@@ -51,6 +51,7 @@ class Lowerer:
         self._scalars: dict[tuple, int] = {}
         self._order = {node: i for i, node in enumerate(gm.graph.nodes)}
         self._sharing = _nodes_by_storage(gm.graph)
+        self._live = _live_nodes(gm.graph)
 
     # --- emitting -------------------------------------------------------------------------
     def emit(self, op: str, inputs: tuple[int, ...], attrs: tuple = (), shape=None, dtype=None) -> int:
@@ -153,7 +154,7 @@ class Lowerer:
             for alias in self._sharing[storage]:
                 if self._order[alias] >= here:
                     continue
-                stale = [user for user in alias.users if self._order[user] > here]
+                stale = [user for user in alias.users if self._order[user] > here and user in self._live]
                 if stale:
                     read = _at(self.locate(stale[0])) or ("the output" if stale[0].op == "output" else stale[0].name)
                     raise UnsupportedOp(
@@ -192,6 +193,19 @@ def _nodes_by_storage(graph: fx.Graph) -> dict[StorageWeakRef, list[fx.Node]]:
         if storage is not None:
             sharing.setdefault(storage, []).append(node)
     return sharing
+
+
+def _live_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes whose value reaches the output. make_fx leaves dead re-views of a mutated tensor
+    behind; a read that nothing uses cannot see stale data."""
+    live: set[fx.Node] = set()
+    stack = [n for n in graph.nodes if n.op == "output"]
+    while stack:
+        node = stack.pop()
+        if node not in live:
+            live.add(node)
+            stack.extend(node.all_input_nodes)
+    return live
 
 
 def _written(node: fx.Node) -> list[fx.Node]:
@@ -466,6 +480,21 @@ def _reduce(op: str) -> Callable[..., int]:
     return lower
 
 
+def _max(lo: Lowerer, x, dim=None, keepdim: bool = False) -> Value:
+    """torch.max: over everything, elementwise against a tensor, or over one dim (values, indices)."""
+    if dim is None:
+        return _reduce("amax")(lo, x)
+    if isinstance(dim, fx.Node):
+        return _elementwise("maximum")(lo, x, dim)
+    value = lo.tensor(x)
+    attrs = ((_dim(dim, len(lo.shape(value))),), bool(keepdim))
+    values, indices = lo.current.meta["val"]
+    return tuple(
+        lo.emit(op, (value,), attrs, tuple(out.shape), str(out.dtype).removeprefix("torch."))
+        for op, out in (("amax", values), ("argmax", indices))
+    )
+
+
 def _mean(lo: Lowerer, x, dims=None, keepdim: bool = False, **kwargs) -> int:
     total = _reduce("sum")(lo, x, dims, keepdim)
     count = math.prod(lo.shape(lo.tensor(x))) // max(1, math.prod(lo.shape(total)))
@@ -556,6 +585,50 @@ def _addmm(lo: Lowerer, bias, a, b, beta=1, alpha=1) -> int:
 
 def _embedding(lo: Lowerer, weight, ids, *args, **kwargs) -> int:
     return lo.emit("embedding", (lo.tensor(weight), lo.tensor(ids)))
+
+
+def _gather(lo: Lowerer, x, dim: int, index, sparse_grad: bool = False) -> int:
+    value = lo.tensor(x)
+    return lo.emit("gather", (value, lo.tensor(index)), (_dim(dim, len(lo.shape(value))),))
+
+
+def _index(lo: Lowerer, x, indices) -> int:
+    """`x[arange(n), idx]`, entry idx[i] of row i: a gather along dim 1 (cross entropy's label
+    lookup). When x and idx are flattenings of the same leading dims, the gather is taken on the
+    unflattened tensors, where a reference's `gather(logits, -1, labels[..., None])` looks."""
+    value = lo.tensor(x)
+    shape = lo.shape(value)
+    where = _at(lo.locate(lo.current))
+    unsupported = UnsupportedOp("aten.index other than x[arange(n), idx] (a row-wise gather)", where)
+    if len(indices) != 2 or len(shape) < 2 or not all(isinstance(i, fx.Node) for i in indices):
+        raise unsupported
+    rows, idx = (lo.tensor(i) for i in indices)
+    if not _is_arange(lo, rows, shape[0]) or lo.shape(idx) != shape[:1]:
+        raise unsupported
+    table, ids = _unflattened(lo, value, idx)
+    lead = lo.shape(ids)
+    tail = lo.shape(table)[len(lead) + 1 :]
+    column_shape = lead + (1,) * (1 + len(tail))
+    index_shape = lead + (1,) + tail
+    column = lo.emit("view", (ids,), (column_shape,), column_shape, lo.dtype(ids))
+    index = broadcast_to(lo, column, index_shape)
+    gathered = lo.emit("gather", (table, index), (len(lead),), index_shape, lo.dtype(table))
+    return lo.emit("view", (gathered,), (tuple(lo.current.meta["val"].shape),))
+
+
+def _is_arange(lo: Lowerer, value: int, n: int) -> bool:
+    return lo.graph[value].op == "const" and lo.graph[value].attrs[0] == ("arange", 0, n, 1)
+
+
+def _unflattened(lo: Lowerer, x: int, idx: int) -> tuple[int, int]:
+    """(X, I) with x = view(X) and idx = view(I) merging the leading dims I has; else (x, idx)."""
+    x_node, idx_node = lo.graph[x], lo.graph[idx]
+    if x_node.op == "view" and idx_node.op == "view":
+        table, ids = x_node.inputs[0], idx_node.inputs[0]
+        lead = lo.shape(ids)
+        if lo.shape(table)[: len(lead)] == lead and lo.shape(table)[len(lead) :] == lo.shape(x)[1:]:
+            return table, ids
+    return x, idx
 
 
 def _where(lo: Lowerer, cond, x, y) -> int:
@@ -721,6 +794,7 @@ _LOWER: dict[str, Callable[..., Value]] = {
     "aten.index_put": _index_put,
     "aten.sum": _reduce("sum"),
     "aten.amax": _reduce("amax"),
+    "aten.max": _max,
     "aten.mean": _mean,
     "aten.native_layer_norm": _layer_norm,
     "aten._softmax": _softmax("softmax"),
@@ -732,6 +806,8 @@ _LOWER: dict[str, Callable[..., Value]] = {
     "aten.matmul": _mm,
     "aten.addmm": _addmm,
     "aten.embedding": _embedding,
+    "aten.gather": _gather,
+    "aten.index": _index,
     "aten.full": _full,
     "aten.full_like": lambda lo, x, fill_value, **kw: lo.emit("const", (), (("full", fill_value),)),
     "aten.zeros": _filled(0),

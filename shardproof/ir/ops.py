@@ -19,7 +19,7 @@ Impl = Callable[[list[torch.Tensor], tuple[Any, ...]], torch.Tensor]
 @dataclass(frozen=True)
 class OpSpec:
     name: str
-    kind: str  # leaf const layout unary binary compare where reduce softmax matmul embedding mask collective
+    kind: str  # leaf const layout unary binary compare where reduce softmax matmul embedding gather mask collective
     impl: Impl | None
     doc: str
 
@@ -39,6 +39,11 @@ def _slice(xs: list[torch.Tensor], attrs: tuple) -> torch.Tensor:
 
 def _reduce(fn: Callable[..., torch.Tensor]) -> Impl:
     return lambda xs, attrs: fn(xs[0], dim=list(attrs[0]), keepdim=attrs[1])
+
+
+def _argmax(xs: list[torch.Tensor], attrs: tuple) -> torch.Tensor:
+    (dim,), keepdim = attrs
+    return torch.argmax(xs[0], dim=dim, keepdim=keepdim)
 
 
 _SPECS = [
@@ -82,14 +87,16 @@ _SPECS = [
     OpSpec("where", "where", lambda xs, a: torch.where(xs[0], xs[1], xs[2]), "cond ? x : y"),
     OpSpec("sum", "reduce", _reduce(torch.sum), "sum over dims attrs[0], keepdim attrs[1] (linear)"),
     OpSpec("amax", "reduce", _reduce(torch.amax), "max over dims attrs[0], keepdim attrs[1]"),
+    OpSpec("argmax", "reduce", _argmax, "index of the max over the one dim attrs[0], keepdim attrs[1]"),
     OpSpec("softmax", "softmax", lambda xs, a: torch.softmax(xs[0], a[0]), "softmax over attrs[0]"),
     OpSpec("log_softmax", "softmax", lambda xs, a: torch.log_softmax(xs[0], a[0]), "log-softmax over attrs[0]"),
     OpSpec("matmul", "matmul", _binary(torch.matmul), "torch.matmul: batch dims broadcast, contracts last of x with -2 of y"),
     OpSpec("embedding", "embedding", lambda xs, a: F.embedding(xs[1], xs[0]), "rows of weight xs[0] at ids xs[1]"),
+    OpSpec("gather", "gather", lambda xs, a: torch.gather(xs[0], a[0], xs[1]), "torch.gather(xs[0], attrs[0], index xs[1])"),
     OpSpec("triu", "mask", lambda xs, a: torch.triu(xs[0], a[0]), "upper triangle from diagonal attrs[0]"),
     OpSpec("tril", "mask", lambda xs, a: torch.tril(xs[0], a[0]), "lower triangle from diagonal attrs[0]"),
     OpSpec("index_put", "where", None, "x with positions where mask is true set to value: lowered to where"),
-    OpSpec("all_reduce", "collective", None, "sum (attrs[0]='sum') or mean over the group attrs[1]"),
+    OpSpec("all_reduce", "collective", None, "sum, mean or max (attrs[0]) over the group attrs[1]"),
     OpSpec("all_gather", "collective", None, "concatenate every rank's tensor along attrs[0] over group attrs[1]"),
     OpSpec("reduce_scatter", "collective", None, "sum over ranks, this rank keeps chunk rank of dim attrs[0]"),
 ]

@@ -19,7 +19,8 @@ from shardproof.relations.execute import Execution
 from shardproof.relations.layout import reshape_groups
 from shardproof.relations.rules import Rules
 
-STRUCTURAL = {"slice", "cat", "bcast", "repeat", "lin", "piece", "full", "const"}
+PIECES = {"piece", "max_piece"}  # one rank's part of a sum (or max) over ranks
+STRUCTURAL = {"slice", "cat", "bcast", "repeat", "lin", "full", "const", *PIECES}
 LAYOUT_OPS = {"view", "permute", "slice", "expand", "convert", "cat"}
 
 
@@ -60,8 +61,21 @@ class Diagnoser:
         return self.r.in_reference(t) or any(self.r.in_reference(root) for root, _ in self.r.regions(t))
 
     def partial(self, t: int) -> bool:
+        return bool(self.unreduced(t))
+
+    def partial_kind(self, terms: list[int]) -> str:
+        """How to name the unreduced value: a partial max when only max pieces are held."""
+        held = set().union(*(self.unreduced(t) for t in terms))
+        return "partial max" if {op for op, _ in held} == {"max_piece"} else "partial sum"
+
+    def unreduced(self, t: int) -> set[tuple]:
+        """The pieces (kind, axis and range) that `t` holds without their sum (or max) over ranks."""
         term = self.r.u[t]
-        return term.op == "piece" or (term.op in ("lin", "slice", "bcast", "repeat") and any(self.partial(a) for a in term.args))
+        if term.op in PIECES:
+            return {(term.op, term.attrs)}
+        if term.op in ("lin", "slice", "bcast", "repeat"):
+            return set().union(*(self.unreduced(a) for a in term.args))
+        return set()
 
     # --- entry --------------------------------------------------------------------------------------
     def diagnose(self, mismatched_outputs: list[tuple[int, int]]) -> Finding:
@@ -218,14 +232,14 @@ class Diagnoser:
     # --- an op whose value the reference never computes ----------------------------------------------
     def _at_op(self, rank: int, node: Node) -> Finding:
         terms = self.run.ranks[rank]
-        partial_inputs = [i for i in node.inputs if self.partial(terms[i])]
+        partial_inputs = [terms[i] for i in node.inputs if self.partial(terms[i])]
         if partial_inputs:
             origin = self._piece_origin(rank, node)
             return Finding(
                 "discrepancy",
                 "missing reduction",
-                f"missing reduction: a partial sum (each rank holds only its share) reaches `{node.op}` without an "
-                f"all-reduce",
+                f"missing reduction: a {self.partial_kind(partial_inputs)} (each rank holds only its share) reaches "
+                f"`{node.op}` without an all-reduce",
                 [(rank, origin), (rank, node)] if origin is not None else [(rank, node)],
                 op=node.op,
             )
@@ -442,8 +456,8 @@ class Diagnoser:
             return Finding(
                 "discrepancy",
                 "missing reduction",
-                "missing reduction: the output is still a partial sum (each rank holds only its share); "
-                "it needs an all-reduce",
+                f"missing reduction: the output is still a {self.partial_kind([t])} (each rank holds only its "
+                "share); it needs an all-reduce",
                 [(rank, origin)] if origin is not None else [(rank, node)],
             )
         parts = list(zip(term.args, term.attrs[0])) if term.op == "lin" else [(t, Fraction(1))]

@@ -60,10 +60,10 @@ def _one(universe: Universe, t: int, value, leaves: dict[str, torch.Tensor]) -> 
         else:
             raise NotImplementedError(f"const spec `{attrs[0]}`")
         return flat.reshape(shape)
-    if op == "piece":
+    if op in ("piece", "max_piece"):
         raise NotImplementedError(
-            "a `piece` is one part of a sum split over ranks; it has no value on its own "
-            "(only a lin of pieces tiling the whole range does, and lin normalizes that to the sum)"
+            f"a `{op}` is one part of a sum (or max) split over ranks; it has no value on its own "
+            "(only pieces tiling the whole range combined do, and that normalizes to the whole)"
         )
     args = [value(a) for a in term.args]
     if op == "slice":

@@ -2,7 +2,8 @@
 
 Ranks run in lock-step: each advances to its next collective, then the collective is resolved
 for its whole group at once with its exact meaning (all_reduce = sum of the group's terms,
-all_gather = concatenation in group order, reduce_scatter = this rank's chunk of the sum).
+all_gather = concatenation in group order, reduce_scatter = this rank's chunk of the sum; a MAX
+reduction is the elementwise max of the group's terms).
 """
 
 from __future__ import annotations
@@ -105,10 +106,13 @@ def _collective(rules: Rules, node: Node, inputs: list[int], position: int) -> i
     if node.op == "all_gather":
         return rules.cat(inputs, node.attrs[0])
     reduce_op = node.attrs[0] if node.op == "all_reduce" else node.attrs[1]
-    if reduce_op not in ("sum", "mean"):
+    if reduce_op == "max":
+        total = rules.maximum(inputs)
+    elif reduce_op in ("sum", "mean"):
+        weight = Fraction(1, n) if reduce_op == "mean" else Fraction(1)
+        total = rules.lin([(t, weight) for t in inputs])
+    else:
         return rules.literal(f"all_reduce_{reduce_op}", tuple(inputs), (), node.shape, node.dtype)
-    weight = Fraction(1, n) if reduce_op == "mean" else Fraction(1)
-    total = rules.lin([(t, weight) for t in inputs])
     if node.op == "all_reduce":
         return total
     dim = node.attrs[0]

@@ -2,12 +2,13 @@
 
 Normal form, outermost first: `lin` (linear combinations: sums, scaling, subtraction), `piece`
 (one part of a sum that was split over ranks: a contraction or reduction over a sharded axis,
-or a masked vocab-parallel lookup), `slice` (a box of a larger tensor), `cat`, `bcast`
-(broadcasting), then compute ops. Rules pull slices, concatenations and broadcasts out of ops
-(elementwise ops commute with them, matmul maps them onto its free dims, a contraction over a
-sliced axis becomes a piece), so a rank's value is expressed as a region of the very term the
-reference computes. Rule templates are per op kind (see `shardproof.ir.ops.OPS`), not per op.
-Every rule is an equality over the reals; each has a numeric test in tests/relations.
+or a masked vocab-parallel lookup) or `max_piece` (one part of a max split over ranks), `slice`
+(a box of a larger tensor), `cat`, `bcast` (broadcasting), then compute ops. Rules pull slices,
+concatenations and broadcasts out of ops (elementwise ops commute with them, matmul maps them
+onto its free dims, a contraction over a sliced axis becomes a piece), so a rank's value is
+expressed as a region of the very term the reference computes. Rule templates are per op kind
+(see `shardproof.ir.ops.OPS`), not per op. Every rule is an equality over the reals; each has a
+numeric test in tests/relations.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from shardproof.relations.layout import Box, box_shape, compose, full_box, resha
 from shardproof.relations.universe import Universe
 
 FLOAT_DTYPES = {"float16", "bfloat16", "float32", "float64"}
+PARTS = ("lin", "piece", "max_piece")  # terms that layout ops map into: they move elements, so they
+# commute with summing ranks' values and with taking their max
 
 
 class Rules:
@@ -84,8 +87,8 @@ class Rules:
         shape = box_shape(box)
         if term.op == "slice":
             return self.slice(term.args[0], compose(term.attrs[0], box))
-        if term.op in ("lin", "piece"):
-            return self._map_linear(x, lambda t: self.slice(t, box), shape)
+        if term.op in PARTS:
+            return self._map_parts(x, lambda t: self.slice(t, box), shape)
         if term.op == "full":
             return self.literal("full", (), term.attrs, shape, term.dtype)
         if term.op == "bcast":
@@ -333,8 +336,8 @@ class Rules:
             return x
         if term.op == "view":
             return self.view(term.args[0], shape)
-        if term.op in ("lin", "piece"):
-            return self._map_linear(x, lambda t: self.view(t, shape), shape)
+        if term.op in PARTS:
+            return self._map_parts(x, lambda t: self.view(t, shape), shape)
         if term.op == "full":
             return self.literal("full", (), term.attrs, shape, term.dtype)
         if term.op == "bcast":
@@ -484,8 +487,8 @@ class Rules:
         if times == 1:
             return x
         shape = tuple(s * times if d == dim else s for d, s in enumerate(term.shape))
-        if term.op in ("lin", "piece"):
-            return self._map_linear(x, lambda t: self.repeat(t, dim, times), shape)
+        if term.op in PARTS:
+            return self._map_parts(x, lambda t: self.repeat(t, dim, times), shape)
         if term.op == "full":
             return self.literal("full", (), term.attrs, shape, term.dtype)
         if term.op == "bcast" and dim in term.attrs[0]:
@@ -536,8 +539,8 @@ class Rules:
         shape = tuple(term.shape[p] for p in perm)
         if term.op == "permute":
             return self.permute(term.args[0], tuple(term.attrs[0][p] for p in perm))
-        if term.op in ("lin", "piece"):
-            return self._map_linear(x, lambda t: self.permute(t, perm), shape)
+        if term.op in PARTS:
+            return self._map_parts(x, lambda t: self.permute(t, perm), shape)
         if term.op == "full":
             return self.literal("full", (), term.attrs, shape, term.dtype)
         if term.op == "slice":
@@ -591,16 +594,7 @@ class Rules:
                 axis, lo, hi, size = term.attrs
                 groups.setdefault((term.args[0], axis, size, c), []).append((lo, hi, t))
         for (full, axis, size, c), ranges in groups.items():
-            ranges.sort()
-            runs: list[list[tuple[int, int, int]]] = [[ranges[0]]]
-            for r in ranges[1:]:
-                if r[0] == runs[-1][-1][1]:
-                    runs[-1].append(r)
-                else:
-                    runs.append([r])
-            for run in runs:
-                if len(run) < 2:
-                    continue
+            for run in _adjacent_runs(ranges):
                 for _, _, t in run:
                     del coefs[t]
                 merged = self.piece(full, axis, run[0][0], run[-1][1], size)
@@ -613,6 +607,40 @@ class Rules:
             return full
         term = self.u[full]
         return self.literal("piece", (full,), (axis, lo, hi, size), term.shape, term.dtype)
+
+    def max_piece(self, full: int, axis: Any, lo: int, hi: int, size: int) -> int:
+        """The max `full` takes over the indices [lo, hi) of the reduced `axis` only (one rank's max
+        over its shard). Max pieces combine by a max (see `maximum`), never by a sum."""
+        if (lo, hi) == (0, size):
+            return full
+        term = self.u[full]
+        return self.literal("max_piece", (full,), (axis, lo, hi, size), term.shape, term.dtype)
+
+    def maximum(self, parts: list[int]) -> int:
+        """The elementwise max of `parts` (a MAX all-reduce): equal terms collapse, and max pieces
+        whose ranges tile their axis are the max over the whole axis."""
+        operands = set(parts)
+        groups: dict[tuple, list[tuple[int, int, int]]] = {}
+        for t in operands:
+            term = self.u[t]
+            if term.op == "max_piece":
+                axis, lo, hi, size = term.attrs
+                groups.setdefault((term.args[0], axis, size), []).append((lo, hi, t))
+        for (full, axis, size), ranges in groups.items():
+            for run in _adjacent_runs(ranges):
+                operands -= {t for _, _, t in run}
+                operands.add(self.max_piece(full, axis, run[0][0], run[-1][1], size))
+        result, *rest = sorted(operands)
+        for t in rest:
+            result = self.build("maximum", (result, t), (), self.shape(result), self.u[result].dtype)
+        return result
+
+    def _map_parts(self, x: int, f: Callable[[int], int], shape: tuple[int, ...]) -> int:
+        """Apply a layout map (it moves elements) through lin, piece and max_piece."""
+        term = self.u[x]
+        if term.op == "max_piece":
+            return self.max_piece(f(term.args[0]), *term.attrs)
+        return self._map_linear(x, f, shape)
 
     def _map_linear(self, x: int, f: Callable[[int], int], shape: tuple[int, ...]) -> int:
         """Apply a linear map through `lin` and `piece`."""
@@ -639,6 +667,18 @@ def _inserted_ones(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[int, ...
         dims.append(j)
         j += 1
     return tuple(dims) if all(dst[k] == 1 for k in range(j, len(dst))) else None
+
+
+def _adjacent_runs(ranges: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
+    """The runs of two or more (lo, hi, term) whose ranges follow each other without gap or overlap."""
+    ranges = sorted(ranges)
+    runs: list[list[tuple[int, int, int]]] = [[ranges[0]]]
+    for r in ranges[1:]:
+        if r[0] == runs[-1][-1][1]:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    return [run for run in runs if len(run) > 1]
 
 
 def _is_finite_number(value: Any) -> bool:
@@ -742,6 +782,9 @@ def _reduce(r: Rules, op: str, args, attrs, shape, dtype) -> int:
     term = r.u[x]
     if op == "sum" and term.op in ("lin", "piece"):
         return r._map_linear(x, lambda t: r.build(op, (t,), attrs, shape, dtype), shape)
+    copies = term.op == "bcast" and not set(dims) <= set(term.attrs[0])
+    if op in _SPLIT_REDUCTIONS and copies and term.dtype == dtype:
+        return _reduce_copies(r, op, x, dims, shape, dtype)
     root, box = r.as_region(x)
     if root != x:
         reduced_restricted = [d for d in dims if box[d] != (0, r.shape(root)[d])]
@@ -749,14 +792,33 @@ def _reduce(r: Rules, op: str, args, attrs, shape, dtype) -> int:
         global_out = tuple(s for d, s in enumerate(r.shape(root)) if d not in dims)
         if not reduced_restricted:
             return r.slice(r.build(op, (root,), attrs, global_out, dtype), kept_box)
-        if op == "sum" and len(reduced_restricted) == 1:
+        if op in _SPLIT_REDUCTIONS and len(reduced_restricted) == 1:
             d = reduced_restricted[0]
             size = r.shape(root)[d]
             whole_d = r.slice(root, tuple((0, size) if k == d else b for k, b in enumerate(box)))
             total = r.build(op, (whole_d,), attrs, shape, dtype)
             lo, hi = box[d]
-            return r.piece(total, ("sum", d, root), lo, hi, size)
+            return _SPLIT_REDUCTIONS[op](r, total, (op, d, root), lo, hi, size)
     return r.literal(op, (x,), attrs, shape, dtype)
+
+
+# A reduction over part of an axis is a part of the reduction over all of it: a piece of a sum,
+# a max piece of a max.
+_SPLIT_REDUCTIONS: dict[str, Callable[..., int]] = {"sum": Rules.piece, "amax": Rules.max_piece}
+
+
+def _reduce_copies(r: Rules, op: str, x: int, dims: tuple[int, ...], shape, dtype) -> int:
+    """Reducing over broadcast dims reduces copies of one value: a sum over them is the value
+    times their count, a max over them is the value."""
+    term = r.u[x]
+    base, placed = term.args[0], term.attrs[0]
+    base_dims = tuple(i for i, d in enumerate(placed) if d in dims)
+    kept = [(i, d) for i, d in enumerate(placed) if d not in dims]
+    inner_shape = tuple(r.shape(base)[i] for i, _ in kept)
+    inner = r.build(op, (base,), (base_dims, False), inner_shape, dtype) if base_dims else base
+    out = r.bcast(inner, shape, tuple(d - sum(1 for c in dims if c < d) for _, d in kept))
+    copies = math.prod(term.shape[d] for d in dims if d not in placed)
+    return r.scale(out, copies) if op == "sum" else out
 
 
 def _softmax(r: Rules, op: str, args, attrs, shape, dtype) -> int:
@@ -769,6 +831,33 @@ def _softmax(r: Rules, op: str, args, attrs, shape, dtype) -> int:
     if term.op == "cat" and term.attrs[0] != dim:
         return r.cat([r.build(op, (p,), attrs, r.shape(p), dtype) for p in term.args], term.attrs[0])
     return r.literal(op, (x,), attrs, shape, dtype)
+
+
+def _log_softmax(r: Rules, args, attrs, shape, dtype) -> int:
+    """log_softmax(x) = (x - m) - log(sum(exp(x - m))), m = max(x) along the dim: the spelling a
+    vocab-parallel cross entropy computes across ranks. The shift m cancels over the reals, but
+    both sides compute it, so their terms meet op for op."""
+    (dim,) = attrs
+    x = args[0]
+    row_shape = tuple(1 if d == dim else s for d, s in enumerate(shape))  # keepdim, then expand: as it is spelled
+    over_dim = ((dim,), True)
+    peak = r.expand(r.build("amax", (x,), over_dim, row_shape, dtype), shape)
+    shifted = r.lin([(x, Fraction(1)), (peak, Fraction(-1))])
+    total = r.build("sum", (r.build("exp", (shifted,), (), shape, dtype),), over_dim, row_shape, dtype)
+    log_total = r.expand(r.build("log", (total,), (), row_shape, dtype), shape)
+    return r.lin([(shifted, Fraction(1)), (log_total, Fraction(-1))])
+
+
+def _log(r: Rules, args, attrs, shape, dtype) -> int:
+    """log(exp(a)) = a, and log(exp(a) / b) = a - log(b) wherever the left side is defined: the log
+    of softmax probabilities (as cross entropy with label smoothing takes it) is a log-softmax."""
+    x = r.u[args[0]]
+    if x.op == "exp":
+        return x.args[0]
+    if x.op == "div" and r.op(x.args[0]) == "exp":
+        exponent, divisor = r.u[x.args[0]].args[0], x.args[1]
+        return r.lin([(exponent, Fraction(1)), (r.build("log", (divisor,), attrs, shape, dtype), Fraction(-1))])
+    return _elementwise(r, "log", args, attrs, shape, dtype)
 
 
 def _matmul(r: Rules, op: str, args, attrs, shape, dtype) -> int:
@@ -903,30 +992,103 @@ def _where(r: Rules, op: str, args, attrs, shape, dtype) -> int:
     return _elementwise(r, op, args, attrs, shape, dtype)
 
 
-def _masked_lookup(r: Rules, cond: int, when_true: int, when_false: int) -> int | None:
-    """where(ids outside [lo,hi), 0, embedding(W[lo:hi], shifted ids)) is the [lo,hi) piece of W[ids].
+def _gather(r: Rules, op: str, args, attrs, shape, dtype) -> int:
+    """gather(x, dim, index) is linear in x, constant where x is broadcast along dim, and acts
+    elementwise along the other dims (slices there, and any slice of the index, move out)."""
+    x, index = args
+    (dim,) = attrs
+    masked_index = r.u[_unbroadcast(r, index)]
+    if masked_index.op == "where" and _share_lookup(r, x, index, dim, masked_index.args[0]) is not None:
+        # one rank's lookup into its shard of the table: kept whole, so the mask that zeroes the
+        # entries other ranks own can make it a piece (see _masked_lookup)
+        return r.literal(op, args, attrs, shape, dtype)
+    term = r.u[x]
+    if term.op in ("lin", "piece"):
+        return r._map_linear(x, lambda t: r.build(op, (t, index), attrs, shape, dtype), shape)
+    if term.op == "full":
+        return r.literal("full", (), term.attrs, shape, dtype)
+    if term.op == "bcast" and dim not in term.attrs[0]:
+        placed = term.attrs[0]
+        return r.bcast(r.slice(term.args[0], tuple((0, shape[d]) for d in placed)), shape, placed)
+    moved = _gather_regions(r, x, index, dim, attrs, dtype)
+    return moved if moved is not None else r.literal(op, args, attrs, shape, dtype)
 
-    That is the vocab-parallel embedding: each rank looks up the rows it owns and zeroes the rest;
-    the sum over ranks is the full lookup when the row ranges tile the vocabulary.
+
+def _gather_regions(r: Rules, x: int, index: int, dim: int, attrs: tuple, dtype: str) -> int | None:
+    """gather(X[b], dim, I[b']) = gather(X, dim, I)[b'] when b leaves dim whole and b, b' agree on
+    the other dims (where x and index have one shape)."""
+    x_shape, index_shape = r.shape(x), r.shape(index)
+    if any(a != b for d, (a, b) in enumerate(zip(x_shape, index_shape)) if d != dim):
+        return None
+    for t, other_size in ((x, index_shape[dim]), (index, x_shape[dim])):
+        for root, box in r.regions(t):
+            if root == t or (t == x and box[dim] != (0, r.shape(root)[dim])):
+                continue
+            region = (box, r.shape(root))
+            other = _whole_along(dim, other_size, *region)
+            (x_box, x_global), (out_box, out_global) = (region, other) if t == x else (other, region)
+            whole_x, whole_index = r.region_like(x, x_box, x_global), r.region_like(index, out_box, out_global)
+            if whole_x is not None and whole_index is not None:
+                return r.slice(r.build("gather", (whole_x, whole_index), attrs, out_global, dtype), out_box)
+    return None
+
+
+def _whole_along(dim: int, size: int, box: Box, shape: tuple[int, ...]) -> tuple[Box, tuple[int, ...]]:
+    """The region `box` of `shape` with dim `dim` replaced by all of a dim of `size`."""
+    return (
+        tuple((0, size) if d == dim else b for d, b in enumerate(box)),
+        tuple(size if d == dim else s for d, s in enumerate(shape)),
+    )
+
+
+# Lookups: ops that read entries of a table (operand 0) along an axis at the ids in operand 1.
+_LOOKUP_AXIS: dict[str, Callable[[tuple], int]] = {"embedding": lambda attrs: 0, "gather": lambda attrs: attrs[0]}
+
+
+def _masked_lookup(r: Rules, cond: int, when_true: int, when_false: int) -> int | None:
+    """where(ids outside [lo,hi), 0, lookup(T[lo:hi], ids - lo)) is the [lo,hi) piece of lookup(T, ids).
+
+    That is the vocab-parallel embedding, and the target-logit lookup of vocab-parallel cross
+    entropy: each rank looks up the entries it owns along the lookup axis and zeroes the rest; the
+    sum over ranks is the full lookup when the ranges tile the table (and the ids index it).
     """
     if r.full_value(when_true) != 0:
         return None
     lookup = r.u[when_false]
-    if lookup.op != "embedding":
+    if lookup.op == "view":  # where commutes with reshapes: mask the lookup before them
+        inner = lookup.args[0]
+        inner_shape = r.shape(inner)
+        found = _masked_lookup(r, r.view(cond, inner_shape), r.view(when_true, inner_shape), inner)
+        return None if found is None else r.view(found, lookup.shape)
+    if lookup.op not in _LOOKUP_AXIS:
         return None
-    weight, shifted = lookup.args
-    root_w, box_w = r.as_region(weight)
-    if any(b != (0, s) for b, s in zip(box_w[1:], r.shape(root_w)[1:])):
+    table, index = lookup.args
+    axis = _LOOKUP_AXIS[lookup.op](lookup.attrs)
+    share = _share_lookup(r, table, index, axis, cond)
+    if share is None:
         return None
-    lo, hi = box_w[0]
-    outside = _outside_range(r, _unbroadcast(r, cond))
+    root, ids, lo, hi = share
+    index_term = r.u[index]
+    whole_index = r.bcast(ids, index_term.shape, index_term.attrs[0]) if index_term.op == "bcast" else ids
+    whole = r.build(lookup.op, (root, whole_index), lookup.attrs, lookup.shape, lookup.dtype)
+    return r.piece(whole, ("lookup", axis, root, whole_index), lo, hi, r.shape(root)[axis])
+
+
+def _share_lookup(r: Rules, table: int, index: int, axis: int, mask: int) -> tuple[int, int, int, int] | None:
+    """(root, ids, lo, hi) when `table` is the [lo, hi) region of `root` along the lookup `axis`
+    (whole elsewhere), `mask` is `ids outside [lo, hi)` and `index` is ids - lo wherever the mask is
+    false: one rank's lookup into its shard of a vocab-parallel table."""
+    root, box = r.as_region(table)
+    if any(b != (0, s) for d, (b, s) in enumerate(zip(box, r.shape(root))) if d != axis):
+        return None
+    lo, hi = box[axis]
+    outside = _outside_range(r, _unbroadcast(r, mask))
     if outside is None or outside[1:] != (lo, hi):
         return None
-    ids = outside[0]
-    if not _is_shift_of(r, shifted, ids, -lo, cond):
+    ids, shifted = outside[0], _unbroadcast(r, index)
+    if r.shape(ids) != r.shape(shifted) or not _is_shift_of(r, shifted, ids, -lo, mask):
         return None
-    whole = r.build("embedding", (root_w, ids), (), r.shape(ids) + r.shape(root_w)[1:], lookup.dtype)
-    return r.piece(whole, ("rows", root_w, ids), lo, hi, r.shape(root_w)[0])
+    return root, ids, lo, hi
 
 
 def _unbroadcast(r: Rules, t: int) -> int:
@@ -983,7 +1145,13 @@ def _keep_literal(r: Rules, op: str, args, attrs, shape, dtype) -> int:
     return r.literal(op, args, attrs, shape, dtype)
 
 
-_BY_OP: dict[str, Callable[..., int]] = {"add": _add, "mul": _mul, "div": _div}
+_BY_OP: dict[str, Callable[..., int]] = {
+    "add": _add,
+    "mul": _mul,
+    "div": _div,
+    "log": _log,
+    "log_softmax": _log_softmax,
+}
 _BY_KIND: dict[str, Callable[..., int]] = {
     "unary": _unary,
     "binary": _elementwise,
@@ -994,5 +1162,6 @@ _BY_KIND: dict[str, Callable[..., int]] = {
     "softmax": _softmax,
     "matmul": _matmul,
     "embedding": _embedding,
+    "gather": _gather,
     "mask": _keep_literal,
 }

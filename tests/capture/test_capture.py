@@ -95,8 +95,8 @@ def _steps(graph: Graph, leaves: dict[str, torch.Tensor], env: dict[int, torch.T
 def _collective(node: Node, sent: list[torch.Tensor], rank: int) -> torch.Tensor:
     """The result on `rank` of a collective over the whole world (all this file's models use)."""
     if node.op == "all_reduce":
-        assert node.attrs[0] == "sum"
-        return torch.stack(sent).sum(0)
+        assert node.attrs[0] in ("sum", "max")
+        return torch.stack(sent).sum(0) if node.attrs[0] == "sum" else torch.stack(sent).amax(0)
     if node.op == "all_gather":
         return torch.cat(sent, node.attrs[0])
     return torch.stack(sent).sum(0).chunk(len(sent), node.attrs[0])[rank]
@@ -215,7 +215,52 @@ def _all_reduce_view_read_base(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor
     return y
 
 
-_MODEL_FUNCTIONS = [Elementwise.forward, _in_place_chain, _copy_into_zeros, _write_view_read_base,
+# --- cross-entropy spellings --------------------------------------------------------------------
+class LabelLookups(nn.Module):
+    """The ops cross entropy is written with: max over a dim (values and indices), over everything
+    and against a tensor, log_softmax + gather, a row-wise x[arange, idx] over flattened tokens, and
+    a masked write into a view of a clone (make_fx leaves a dead re-view of it behind)."""
+
+    def __init__(self, max_all_reduce: bool = False) -> None:
+        super().__init__()
+        self.max_all_reduce = max_all_reduce
+        self.weight = nn.Parameter(torch.ones(VOCAB, HIDDEN))
+
+    def forward(self, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        logits = hidden @ self.weight.t()
+        peak, position = torch.max(logits, dim=-1)
+        if self.max_all_reduce:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        nll = -torch.log_softmax(logits, dim=-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+        flat = logits.view(-1, VOCAB)
+        picked = flat[torch.arange(flat.size(0)), target.view(-1)].clone().view_as(target)
+        picked[target >= VOCAB // 2] = 0.0
+        return torch.max(nll, picked) + peak + position.float() + torch.max(logits)
+
+
+def _label_inputs() -> tuple:
+    return (torch.randn(2, 6, HIDDEN), torch.randint(0, VOCAB, (2, 6)))
+
+
+def test_cross_entropy_ops_lower_to_what_torch_computes() -> None:
+    captured = capture(_case(LabelLookups, lambda r, n: LabelLookups(max_all_reduce=True), _label_inputs), 2)
+    for graph in captured.ranks:
+        assert {"amax", "argmax", "gather", "maximum"} <= {n.op for n in graph.nodes}
+        assert [n.attrs for n in graph.nodes if n.op == "all_reduce"] == [("max", (0, 1))]
+    torch.manual_seed(0)
+    inputs = _label_inputs()
+    leaves = _random_leaves(LabelLookups(), inputs)
+    expected = _eager(LabelLookups(), leaves, inputs)
+    for outputs in _run([captured.reference], leaves) + _run(captured.ranks, leaves):
+        torch.testing.assert_close(outputs[0], expected)
+
+
+def test_indexing_other_than_a_row_wise_gather_is_unsupported() -> None:
+    with pytest.raises(UnsupportedOp, match="row-wise gather"):
+        capture(_elementwise_case(lambda w, x: w[(x > 0).long()].sum(0)), 2)
+
+
+_MODEL_FUNCTIONS = [Elementwise.forward, LabelLookups.forward, _in_place_chain, _copy_into_zeros, _write_view_read_base,
                     _write_base_read_view, _all_reduce_view_read_base]
 
 

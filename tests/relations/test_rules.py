@@ -16,7 +16,7 @@ from fractions import Fraction
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from shardproof.ir.ops import run_op
@@ -102,6 +102,19 @@ class Build:
 
     def sub(self, x: V, y: V) -> V:
         return self.op("add", x, self.op("neg", y))
+
+    def max_over(self, *xs: V) -> V:
+        """A MAX all-reduce of the ranks' values `xs`."""
+        return V(self.r.maximum([x.term for x in xs]), torch.stack([x.value for x in xs]).amax(0))
+
+    def ops_in(self, x: V) -> set[str]:
+        seen, stack = set(), [x.term]
+        while stack:
+            t = stack.pop()
+            if t not in seen:
+                seen.add(t)
+                stack.extend(self.u[t].args)
+        return {self.u[t].op for t in seen}
 
     # --- checks
     def value_of(self, x: V) -> torch.Tensor:
@@ -875,19 +888,6 @@ def test_mlp_megatron_column_then_row(ffn, data):
 
 
 # --- reductions and softmax ------------------------------------------------------------------------------
-@SETTINGS
-@given(st.integers(2, 7), st.booleans(), st.data())
-def test_sum_over_a_sliced_dim_summed_over_ranges(size, keepdim, data):
-    b = Build()
-    x = b.leaf("x", (3, size, 2))
-    points = data.draw(cuts(size))
-    partials = [b.op("sum", b.sl(x, 1, lo, hi), attrs=((1,), keepdim)) for lo, hi in zip(points, points[1:])]
-    total = b.add(*partials)
-    full = b.op("sum", x, attrs=((1,), keepdim))
-    assert total.term == full.term
-    b.check(total)
-
-
 def test_sum_over_a_sliced_dim_with_another_dim_sliced():
     b = Build()
     x = b.leaf("x", (4, 6, 3))
@@ -913,12 +913,58 @@ def test_reduce_over_unsliced_dims_of_a_slice(sb, data):
     b.check(y)
 
 
-def test_amax_over_a_sliced_dim_stays_literal():
+@pytest.mark.parametrize("op", ["sum", "amax"])
+@SETTINGS
+@given(st.integers(2, 7), st.booleans(), st.data())
+def test_reduce_over_sliced_ranges_combined_over_ranks_is_the_whole(op, size, keepdim, data):
+    """Sums over parts of an axis add up to the sum (pieces); maxes combine by a max (max pieces)."""
+    b = Build()
+    x = b.leaf("x", (3, size, 2))
+    points = data.draw(cuts(size))
+    parts = [b.op(op, b.sl(x, 1, lo, hi), attrs=((1,), keepdim)) for lo, hi in zip(points, points[1:])]
+    if len(parts) > 1:
+        assert {b.op_of(p) for p in parts} == {"piece" if op == "sum" else "max_piece"}
+    combine = b.add if op == "sum" else b.max_over
+    total = combine(*parts)
+    whole = b.op(op, x, attrs=((1,), keepdim))
+    assert total.term == whole.term
+    b.check(total)
+    flip = tuple(reversed(range(len(whole.shape))))
+    moved = combine(*[b.sl(b.permute(p, flip), 0, 0, 1) for p in parts])  # layout ops pass through pieces
+    assert moved.term == b.sl(b.permute(whole, flip), 0, 0, 1).term
+    b.check(moved)
+
+
+def test_max_pieces_are_never_summed():
     b = Build()
     x = b.leaf("x", (3, 6))
-    y = b.op("amax", b.sl(x, 1, 0, 3), attrs=((1,), False))
+    parts = [b.op("amax", b.sl(x, 1, lo, lo + 3), attrs=((1,), False)) for lo in (0, 3)]
+    total = b.add(*parts)
+    assert b.op_of(total) == "lin" and total.term != b.op("amax", x, attrs=((1,), False)).term
+
+
+def test_max_over_equal_and_over_unrelated_values():
+    b = Build()
+    x, y = b.leaf("x", (3, 4)), b.leaf("y", (3, 4))
+    assert b.max_over(x, x).term == x.term
+    both = b.max_over(x, y, x)
+    b.check(both)
+    assert both.term == b.max_over(y, x).term
+
+
+@SETTINGS
+@given(st.lists(st.integers(1, 4), min_size=2, max_size=4), st.sampled_from(["sum", "amax"]), st.booleans(), st.data())
+def test_reduce_over_broadcast_dims_reduces_copies(shape, op, keepdim, data):
+    shape = tuple(shape)
+    placed = sorted(data.draw(st.sets(st.integers(0, len(shape) - 1), max_size=len(shape) - 1)))
+    dims = tuple(sorted(data.draw(st.sets(st.integers(0, len(shape) - 1), min_size=1))))
+    b = Build()
+    base = b.leaf("base", tuple(shape[d] for d in placed))
+    x = b.expand(b.view(base, tuple(shape[d] if d in placed else 1 for d in range(len(shape)))), shape)
+    y = b.op(op, x, attrs=(dims, keepdim))
     b.check(y)
-    assert b.op_of(y) == "amax"
+    if set(dims).isdisjoint(placed):
+        assert op not in b.ops_in(y)
 
 
 @pytest.mark.parametrize("op", ["softmax", "log_softmax"])
@@ -927,13 +973,13 @@ def test_amax_over_a_sliced_dim_stays_literal():
 def test_softmax_of_a_slice_keeping_the_softmax_dim(op, sb, data):
     shape, box = sb
     dim = data.draw(st.integers(0, len(shape) - 1))
+    assume(op == "softmax" or shape[dim] > 1)  # log_softmax over one element: its row max lands ambiguously among size-1 dims
     box = tuple((0, s) if d == dim else r for d, (s, r) in enumerate(zip(shape, box)))
     b = Build()
     x = b.leaf("x", shape)
     y = b.op(op, b.box(x, box), attrs=(dim,))
     b.check(y)
-    if box != tuple((0, s) for s in shape):
-        assert b.is_slice_of(y, b.op(op, x, attrs=(dim,)))
+    assert y.term == b.r.slice(b.op(op, x, attrs=(dim,)).term, box)
 
 
 def test_softmax_of_a_slice_of_the_softmax_dim_stays_literal():
@@ -942,6 +988,46 @@ def test_softmax_of_a_slice_of_the_softmax_dim_stays_literal():
     y = b.op("softmax", b.sl(x, 1, 0, 4), attrs=(1,))
     b.check(y)
     assert b.op_of(y) == "softmax"
+
+
+@SETTINGS
+@given(st.lists(st.integers(1, 5), min_size=1, max_size=3), st.data())
+def test_log_softmax_is_its_max_shifted_decomposition(shape, data):
+    shape = tuple(shape)
+    dim = data.draw(st.integers(0, len(shape) - 1))
+    b = Build()
+    x = b.leaf("x", shape)
+    y = b.op("log_softmax", x, attrs=(dim,))
+    b.check(y)
+    shifted = b.sub(x, b.expand(b.op("amax", x, attrs=((dim,), True)), shape))
+    total = b.op("sum", b.op("exp", shifted), attrs=((dim,), True))
+    assert b.sub(shifted, b.expand(b.op("log", total), shape)).term == y.term
+
+
+@pytest.mark.parametrize("cuts_", [(0, 8), (0, 4, 8), (0, 3, 8), (0, 2, 4, 6, 8)])
+def test_vocab_parallel_log_softmax_meets_the_reference(cuts_):
+    """Each rank holds a vocab slice: max all-reduced by MAX, sum of exps by SUM, then gathered."""
+    b = Build()
+    x = b.leaf("x", (2, 3, 8))
+    shards = [b.sl(x, 2, lo, hi) for lo, hi in zip(cuts_, cuts_[1:])]
+    peak = b.max_over(*[b.op("amax", s, attrs=((2,), True)) for s in shards])
+    shifted = [b.sub(s, b.expand(peak, s.shape)) for s in shards]
+    total = b.add(*[b.op("sum", b.op("exp", z), attrs=((2,), True)) for z in shifted])
+    gathered = b.cat([b.sub(z, b.expand(b.op("log", total), z.shape)) for z in shifted], 2)
+    assert gathered.term == b.op("log_softmax", x, attrs=(2,)).term
+    b.check(gathered)
+
+
+def test_log_of_exp_and_of_exp_over_a_divisor():
+    b = Build()
+    a = b.leaf("a", (3, 4))
+    d = b.leaf("d", (3, 4), value=torch.rand(3, 4, dtype=torch.float64, generator=b.gen) + 0.5)
+    y = b.op("log", b.op("exp", a))
+    b.check(y)
+    assert y.term == a.term
+    z = b.op("log", b.op("div", b.op("exp", a), d))
+    b.check(z)
+    assert z.term == b.sub(a, b.op("log", d)).term
 
 
 def test_softmax_of_a_cat_along_another_dim():
@@ -965,15 +1051,21 @@ def test_embedding_of_a_column_slice_and_of_sliced_ids():
     assert b.is_slice_of(rows, b.op("embedding", w, ids))
 
 
-def vocab_parallel_rank(b: Build, w: V, ids: V, lo: int, hi: int) -> V:
-    """Megatron's VocabParallelEmbedding on one rank, spelled as the lowering spells it."""
+def masked_local_ids(b: Build, ids: V, lo: int, hi: int) -> tuple[V, V]:
+    """(ids outside [lo, hi), ids - lo set to 0 there): one vocab-parallel rank's ids, spelled as
+    the lowering spells Megatron's masking."""
     mask = b.op(
         "logical_or",
         b.op("lt", ids, b.scalar(lo, ids.shape, torch.int64)),
         b.op("ge", ids, b.scalar(hi, ids.shape, torch.int64)),
     )
     shifted = b.sub(ids, b.scalar(lo, ids.shape, torch.int64))
-    local_ids = b.op("where", mask, b.scalar(0, ids.shape, torch.int64), shifted)
+    return mask, b.op("where", mask, b.scalar(0, ids.shape, torch.int64), shifted)
+
+
+def vocab_parallel_rank(b: Build, w: V, ids: V, lo: int, hi: int) -> V:
+    """Megatron's VocabParallelEmbedding on one rank."""
+    mask, local_ids = masked_local_ids(b, ids, lo, hi)
     rows = b.op("embedding", b.sl(w, 0, lo, hi), local_ids)
     out_shape = rows.shape
     wide_mask = b.expand(b.view(mask, ids.shape + (1,)), out_shape)
@@ -992,6 +1084,65 @@ def test_vocab_parallel_masked_embedding(vocab, cuts_):
         assert b.op_of(rank) == "piece"
     total = b.add(*ranks)
     full = b.op("embedding", w, ids)
+    torch.testing.assert_close(total.value, full.value)
+    assert total.term == full.term
+    b.check(total)
+
+
+# --- gather -------------------------------------------------------------------------------------------------
+def labels(b: Build, name: str, shape: tuple[int, ...], vocab: int) -> V:
+    return b.leaf(name, shape, value=torch.randint(0, vocab, shape, generator=b.gen))
+
+
+def test_gather_is_linear_in_its_table_and_constant_along_broadcast_rows():
+    b = Build()
+    x, y, m = b.leaf("x", (2, 3, 5)), b.leaf("y", (2, 3, 5)), b.leaf("m", (2, 3))
+    idx = labels(b, "idx", (2, 3, 1), 5)
+    row = b.expand(b.view(m, (2, 3, 1)), (2, 3, 5))
+    g = b.op("gather", b.sub(b.add(x, y), row), idx, attrs=(2,))
+    b.check(g)
+    gx, gy = (b.op("gather", t, idx, attrs=(2,)) for t in (x, y))
+    assert g.term == b.sub(b.add(gx, gy), b.view(m, (2, 3, 1))).term
+
+
+@SETTINGS
+@given(st.data())
+def test_gather_of_slices_on_other_dims_and_of_an_index_slice(data):
+    b = Build()
+    x = b.leaf("x", (4, 3, 5))
+    idx = labels(b, "idx", (4, 3, 2), 5)
+    box = (data.draw(ranges(4)), data.draw(ranges(3)))
+    g = b.op("gather", b.box(x, box + ((0, 5),)), b.box(idx, box + ((0, 2),)), attrs=(2,))
+    b.check(g)
+    whole = b.op("gather", x, idx, attrs=(2,))
+    assert g.term == b.r.slice(whole.term, box + ((0, 2),))
+    column = b.op("gather", x, b.sl(idx, 2, 1, 2), attrs=(2,))
+    b.check(column)
+    assert b.is_slice_of(column, whole)
+
+
+def vocab_parallel_target_logit(b: Build, logits: V, target: V, lo: int, hi: int) -> V:
+    """Megatron's target-logit lookup on one rank (`logits_2d[arange, masked_target]` on flattened
+    tokens lowers to a gather on the unflattened ones)."""
+    mask, local = masked_local_ids(b, target, lo, hi)
+    column = b.view(local, target.shape + (1,))
+    picked = b.view(b.op("gather", b.sl(logits, 2, lo, hi), column, attrs=(2,)), target.shape)
+    return b.op("where", mask, b.scalar(0.0, target.shape), picked)
+
+
+@pytest.mark.parametrize("shift", [False, True], ids=["logits", "shifted-logits"])
+@pytest.mark.parametrize("vocab,cuts_", [(8, (0, 8)), (8, (0, 4, 8)), (9, (0, 3, 6, 9)), (10, (0, 7, 10))])
+def test_vocab_parallel_masked_gather(vocab, cuts_, shift):
+    b = Build()
+    logits = b.leaf("logits", (2, 3, vocab))
+    if shift:  # as cross entropy subtracts the row max first: the table is a lin
+        logits = b.sub(logits, b.expand(b.view(b.leaf("m", (2, 3)), (2, 3, 1)), (2, 3, vocab)))
+    target = labels(b, "target", (2, 3), vocab)
+    ranks = [vocab_parallel_target_logit(b, logits, target, lo, hi) for lo, hi in zip(cuts_, cuts_[1:])]
+    if len(ranks) > 1:
+        assert {b.op_of(rank) for rank in ranks} == {"piece"}
+    total = b.add(*ranks)
+    full = b.view(b.op("gather", logits, b.view(target, (2, 3, 1)), attrs=(2,)), (2, 3))
     torch.testing.assert_close(total.value, full.value)
     assert total.term == full.term
     b.check(total)
