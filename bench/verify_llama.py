@@ -1,4 +1,7 @@
-"""Benchmark `shardproof.verify` on examples/llama_tp.py across world sizes and depths.
+"""Benchmark `shardproof.verify` on the Llama examples across world sizes and depths.
+
+Forward: examples/llama_tp.py. `--train`: one training step of examples/llama_sp_train.py
+(TP + sequence parallel; loss and every gradient).
 
 Each configuration runs in a fresh spawned child process, so its peak RSS is its own.
 Run `python bench/verify_llama.py --help`; see bench/README.md for the columns.
@@ -16,7 +19,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-CASE = Path(__file__).resolve().parents[1] / "examples" / "llama_tp.py"
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+CASES = {"forward": EXAMPLES / "llama_tp.py", "train": EXAMPLES / "llama_sp_train.py"}
 HEADERS = ["ws", "layers", "verdict", "capture s", "proof s", "total s", "peak MiB", "terms", "ref ops", "dist ops"]
 
 
@@ -50,16 +54,16 @@ def _fmt(value: float | None, spec: str) -> str:
 # child process
 
 
-def measure(world_size: int, layers: int, preset: str | None) -> dict[str, Any]:
+def measure(world_size: int, layers: int, preset: str | None, mode: str = "forward") -> dict[str, Any]:
     """Verify one configuration in this process; return the Row fields."""
     from shardproof.api import verify
     from shardproof.case import load_case
 
-    case = load_case(CASE)
+    case = load_case(CASES[mode])
     if preset is not None:
         case.use_preset(preset)
     case.module.CONFIG = dataclasses.replace(case.module.CONFIG, n_layers=layers)
-    report = verify(case, world_size=world_size)
+    report = verify(case, world_size=world_size, train=mode == "train")
     return {
         "verdict": report.verdict,
         "capture": report.capture_seconds,
@@ -73,9 +77,9 @@ def measure(world_size: int, layers: int, preset: str | None) -> dict[str, Any]:
     }
 
 
-def _child(conn: Connection, world_size: int, layers: int, preset: str | None) -> None:
+def _child(conn: Connection, world_size: int, layers: int, preset: str | None, mode: str) -> None:
     try:
-        conn.send(("ok", measure(world_size, layers, preset)))
+        conn.send(("ok", measure(world_size, layers, preset, mode)))
     except BaseException as err:  # noqa: BLE001 - every failure becomes the row's verdict
         conn.send(("error", f"{type(err).__name__}: {err}"))
     finally:
@@ -86,11 +90,11 @@ def _child(conn: Connection, world_size: int, layers: int, preset: str | None) -
 # parent process
 
 
-def run_configuration(world_size: int, layers: int, preset: str | None, timeout: float) -> Row:
+def run_configuration(world_size: int, layers: int, preset: str | None, timeout: float, mode: str = "forward") -> Row:
     """Measure one configuration in a fresh spawned process; failures become the row's verdict."""
     ctx = mp.get_context("spawn")
     receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_child, args=(send, world_size, layers, preset))
+    child = ctx.Process(target=_child, args=(send, world_size, layers, preset, mode))
     child.start()
     send.close()
     if not receive.poll(timeout):
@@ -167,21 +171,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--world-sizes", type=_int_list, default=[2, 4, 8], help="comma-separated, default 2,4,8")
     parser.add_argument("--layers", type=_int_list, default=[2, 8, 32], help="comma-separated, default 2,8,32")
     parser.add_argument("--preset", help="a PRESETS entry of the case (e.g. llama3-8b); n_layers is overridden")
+    parser.add_argument("--train", action="store_true", help="one training step of examples/llama_sp_train.py")
     parser.add_argument("--markdown", action="store_true", help="emit markdown tables")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per configuration, default 900")
     args = parser.parse_args(argv)
+    args.mode = "train" if args.train else "forward"
     if args.preset is not None:
-        _check_preset(parser, args.preset)
+        _check_preset(parser, args.preset, CASES[args.mode])
     return args
 
 
-def _check_preset(parser: argparse.ArgumentParser, preset: str) -> None:
+def _check_preset(parser: argparse.ArgumentParser, preset: str, case: Path) -> None:
     """Fail before the sweep, not once per configuration, on an unknown preset."""
     from shardproof.case import load_case
     from shardproof.errors import CaseError
 
     try:
-        load_case(CASE).use_preset(preset)
+        load_case(case).use_preset(preset)
     except CaseError as err:
         parser.error(str(err))
 
@@ -191,9 +197,9 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for layers in args.layers:
         for world_size in args.world_sizes:
-            rows.append(run_configuration(world_size, layers, args.preset, args.timeout))
+            rows.append(run_configuration(world_size, layers, args.preset, args.timeout, args.mode))
             print(f"ws={world_size} layers={layers}: {rows[-1].verdict}", file=sys.stderr, flush=True)
-    print(f"{CASE.name}, config {args.preset or 'CONFIG (small default)'} with n_layers overridden\n")
+    print(f"{CASES[args.mode].name} ({args.mode}), config {args.preset or 'CONFIG (small default)'} with n_layers overridden\n")
     print(render(HEADERS, [row.cells() for row in rows], args.markdown) + "\n")
     ratio_rows = [list(r) for r in ratios(rows)]
     if ratio_rows:

@@ -32,6 +32,9 @@ def verify(
     shard_state: Callable | None = None,
     shard_input: Callable | None = None,
     output: str | tuple = "replicate",
+    loss: Callable[..., torch.Tensor] | None = None,
+    distributed_step: Callable[..., torch.Tensor] | None = None,
+    optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
     preset: str | None = None,
     train: bool = False,
     step: bool = False,
@@ -47,7 +50,8 @@ def verify(
     if case is None:
         if reference is None or distributed is None or inputs is None:
             raise TypeError("verify() needs a case file, or reference=, distributed= and inputs=")
-        case = Case(reference, distributed, inputs, world_size or 2, shard_state, shard_input, normalize_output(output))
+        case = Case(reference, distributed, inputs, world_size or 2, shard_state, shard_input, normalize_output(output),
+                    loss, distributed_step, optimizer)
     elif not isinstance(case, Case):
         case = load_case(case)
     if preset is not None:

@@ -63,6 +63,17 @@ class Graph:
     def __getitem__(self, node_id: int) -> Node:
         return self.nodes[node_id]
 
+    def ancestors(self, node: Node) -> list[Node]:
+        """`node` and everything it depends on, in execution order (earliest first)."""
+        seen = {node.id}
+        stack = [node.id]
+        while stack:
+            for i in self.nodes[stack.pop()].inputs:
+                if i not in seen:
+                    seen.add(i)
+                    stack.append(i)
+        return [self.nodes[i] for i in sorted(seen)]
+
     def op_count(self) -> int:
         """Operations that compute something (leaves and constants are not counted)."""
         return sum(1 for n in self.nodes if n.op not in ("leaf", "const"))

@@ -370,7 +370,7 @@ class Diagnoser:
         depends on; with `unnatural`, the first slice that does not take this rank's own chunk."""
         graph = self.ranks[rank]
         state_only: dict[int, bool] = {}
-        for ancestor in _ancestors(graph, node):
+        for ancestor in graph.ancestors(node):
             if ancestor.op == "leaf":
                 state_only[ancestor.id] = str(ancestor.attrs[0]).startswith("state:")
             else:
@@ -490,7 +490,7 @@ class Diagnoser:
     def _introducing(self, rank: int, node: Node, test) -> Node:
         """The earliest ancestor of `node` on this rank whose value passes `test`."""
         graph, terms = self.ranks[rank], self.run.ranks[rank]
-        for ancestor in _ancestors(graph, node):
+        for ancestor in graph.ancestors(node):
             if ancestor.op not in ("leaf", "const") and test(terms[ancestor.id]):
                 return ancestor
         return node
@@ -512,7 +512,7 @@ class Diagnoser:
     def _slice_source(self, node_id: int, ranges: list[tuple[int, int, Fraction]]) -> tuple[int, Node] | None:
         """The loader slice, on a rank whose share is not its own, that picked a summed part."""
         for rank, graph in enumerate(self.ranks):
-            for ancestor in _ancestors(graph, graph[node_id]):
+            for ancestor in graph.ancestors(graph[node_id]):
                 if ancestor.op != "slice" or graph[ancestor.inputs[0]].op != "leaf":
                     continue
                 _, lo, hi = ancestor.attrs
@@ -541,14 +541,3 @@ def _is_rank_chunk(rank: int, part: tuple[int, int], whole: tuple[int, int]) -> 
 def _shape_compatible(local: tuple[int, ...], full: tuple[int, ...]) -> bool:
     return len(local) == len(full) and all(f % l == 0 for l, f in zip(local, full) if l)
 
-
-def _ancestors(graph: Graph, node: Node) -> list[Node]:
-    """`node` and everything it depends on, in execution order (earliest first)."""
-    seen = {node.id}
-    stack = [node.id]
-    while stack:
-        for i in graph[stack.pop()].inputs:
-            if i not in seen:
-                seen.add(i)
-                stack.append(i)
-    return [graph[i] for i in sorted(seen)]

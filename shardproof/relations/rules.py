@@ -687,7 +687,15 @@ def _is_finite_number(value: Any) -> bool:
 
 # --- rule templates per op kind ---------------------------------------------------------------------
 def _elementwise(r: Rules, op: str, args: tuple[int, ...], attrs: tuple, shape: tuple[int, ...], dtype: str) -> int:
-    """Elementwise ops commute with slices, concatenation and broadcasting of all their operands."""
+    """Elementwise ops commute with slices, concatenation and broadcasting of all their operands;
+    a real product is linear in each factor, so a scalar multiple of one factor scales the product
+    (not so for integers, where a fractional scale truncates)."""
+    if op == "mul" and dtype in FLOAT_DTYPES and all(r.u[a].dtype in FLOAT_DTYPES for a in args):
+        for i, a in enumerate(args):
+            term = r.u[a]
+            if term.op == "lin" and len(term.args) == 1:
+                inner = args[:i] + term.args + args[i + 1 :]
+                return r.scale(r.build(op, inner, attrs, shape, dtype), term.attrs[0][0])
     for a in args:
         for root, box in r.regions(a):
             if root == a:

@@ -27,6 +27,12 @@ def test_one_configuration_gives_a_full_row(bench: ModuleType):
     assert table.splitlines()[2].startswith(f"| 2 | 1 | {row.verdict} |")
 
 
+def test_training_configuration_gives_a_full_row(bench: ModuleType):
+    row = bench.run_configuration(2, 1, None, timeout=120, mode="train")
+    assert row.verdict == "equivalent", row.note
+    assert row.total is not None and row.distributed_ops > row.reference_ops
+
+
 def test_ratios_skip_failed_configurations(bench: ModuleType):
     rows = [bench.Row(2, 2, "unknown", 1.0, 1.0, 2.0), bench.Row(2, 8, "error", note="boom")]
     assert bench.ratios(rows) == [("time(8 layers) / time(2 layers)", "ws 2", "-", "-")]

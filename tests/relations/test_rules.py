@@ -817,6 +817,15 @@ def test_matmul_over_cats_of_different_tensors():
     assert y.term == b.add(b.op("matmul", g1, w1), b.op("matmul", g2, w2)).term
 
 
+def test_product_with_a_scaled_factor_is_a_scaled_product():
+    b = Build()
+    x, y = b.leaf("x", (3, 4)), b.leaf("y", (3, 4))
+    z = b.op("mul", b.op("mul", x, b.scalar(2.0, x.shape)), y)
+    b.check(z)
+    t = b.u[z.term]
+    assert t.op == "lin" and t.args == (b.op("mul", x, y).term,) and t.attrs[0] == (Fraction(2),)
+
+
 def test_matmul_by_a_scaled_operand():
     b = Build()
     x, w = b.leaf("x", (3, 4)), b.leaf("w", (4, 2))

@@ -1,0 +1,131 @@
+"""Training mode (shardproof/steps.py): loss, gradient and optimizer-step claims, proven and refuted,
+each checked against the numeric oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from shardproof import verify
+from shardproof.case import Case
+from shardproof.errors import CaseError
+from shardproof.oracle import run_numeric
+
+HIDDEN, FFN = 8, 16
+
+
+class Mlp(nn.Module):
+    def __init__(self, ffn: int = FFN):
+        super().__init__()
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.up = nn.Linear(HIDDEN, ffn)
+        self.down = nn.Linear(ffn, HIDDEN, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.up(self.norm(x))))
+
+
+class _SumForward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _SumBackward(torch.autograd.Function):
+    """Megatron's copy to the tensor-parallel region; `reduce=False` drops the backward all-reduce."""
+
+    @staticmethod
+    def forward(ctx, x, reduce):
+        ctx.reduce = reduce
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.reduce:
+            grad = grad.clone()
+            dist.all_reduce(grad)
+        return grad, None
+
+
+class TensorParallelMlp(Mlp):
+    def __init__(self, world_size: int, reduce_input_grad: bool = True):
+        super().__init__(FFN // world_size)
+        self.reduce_input_grad = reduce_input_grad
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = _SumBackward.apply(self.norm(x), self.reduce_input_grad)
+        return _SumForward.apply(self.down(F.silu(self.up(h))))
+
+
+def _loss(output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return output.pow(2).mean()
+
+
+def _inputs() -> tuple:
+    return (torch.randn(8, 3, HIDDEN),)
+
+
+def _tensor_parallel(reduce_input_grad: bool = True, **kw) -> Case:
+    return Case(Mlp, lambda rank, n: TensorParallelMlp(n, reduce_input_grad), _inputs, loss=_loss, **kw)
+
+
+def _data_parallel(average: bool) -> Case:
+    def step(model, inputs, rank, world_size):
+        loss = _loss(model(*inputs), *inputs)
+        loss.backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG if average else dist.ReduceOp.SUM)
+        return loss
+
+    def batch_shard(index, full, rank, world_size):
+        return full.chunk(world_size, 0)[rank]
+
+    return Case(Mlp, lambda rank, n: Mlp(), _inputs, shard_input=batch_shard, loss=_loss, distributed_step=step)
+
+
+def _checked(case: Case, world_size: int, mode: str):
+    report = verify(case, world_size=world_size, train=mode == "train", step=mode == "step")
+    numbers = run_numeric(case, world_size, mode=mode)
+    assert (report.verdict == "equivalent") == numbers.agree, (report.diagnosis, numbers.detail)
+    return report
+
+
+@pytest.mark.parametrize("mode", ["train", "step"])
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_tensor_parallel_step_is_proven(world_size: int, mode: str) -> None:
+    assert _checked(_tensor_parallel(), world_size, mode).verdict == "equivalent"
+
+
+def test_missing_backward_all_reduce_names_the_gradient_and_the_backward_op() -> None:
+    report = _checked(_tensor_parallel(reduce_input_grad=False), 2, "train")
+    assert report.verdict == "discrepancy"
+    assert report.diagnosis.startswith("gradient of `norm.")
+    assert "missing reduction" in report.diagnosis
+    assert report.distributed[0].op.endswith("in the backward")
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_data_parallel_loss_is_proven_as_a_mean_over_ranks(world_size: int) -> None:
+    report = _checked(_data_parallel(average=True), world_size, "train")
+    assert report.verdict == "equivalent", report.diagnosis
+    assert any("mean of the" in note and "loss" in note for note in report.notes)
+
+
+def test_summed_data_parallel_gradients_are_a_discrepancy_named_by_gradient() -> None:
+    report = _checked(_data_parallel(average=False), 2, "train")
+    assert report.verdict == "discrepancy"
+    assert report.diagnosis.startswith("gradient of `")
+
+
+def test_training_without_a_loss_is_a_case_error() -> None:
+    with pytest.raises(CaseError, match="loss"):
+        verify(Case(Mlp, lambda rank, n: TensorParallelMlp(n), _inputs), world_size=2, train=True)
