@@ -92,8 +92,10 @@ def run_numeric(
             return NumericResult(False, math.inf, math.inf, f"ranks {hung} never finished: they wait in a "
                                  "collective that the other ranks do not issue")
     try:
-        checks = program.checks(len(ref_out), len(outputs[0]), names[0])
-        return _compare(ref_out, outputs, checks, atol, rtol)
+        checks = [program.checks(len(ref_out), len(outs), names[r], r) for r, outs in enumerate(outputs)]
+        if any([c.label for c in rank_checks] != [c.label for c in checks[0]] for rank_checks in checks):
+            raise CaseError("ranks claim different gradients or parameters; every rank must hold the same names")
+        return _compare(ref_out, outputs, checks[0], atol, rtol)
     except (_Mismatch, CaseError) as mismatch:
         return NumericResult(False, math.inf, math.inf, str(mismatch))
 

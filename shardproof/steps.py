@@ -10,7 +10,9 @@ Training mode (`--train`) claims, for one step, that
   each rank's loss is the mean over its own batch shard, so the claim is the mean of means);
 - every rank's gradient of a parameter is built from the reference gradients exactly as that
   parameter is built from the reference parameters (by `shard_state` or the default loader);
-- with `--step`, the same for the parameters after one optimizer step.
+- with `--step`, the same for the parameters after one optimizer step. A user's step may free a
+  gradient (ZeRO stage 2 keeps only its partition of the reduced flat gradient and sets `.grad` to
+  None): no gradient claim is made for it, its updated parameter carries the proof.
 The expected gradient is computed on the rank side by running the rank's loader on the reference
 gradients, which the rank program receives as extra inputs ("bound" reference outputs).
 """
@@ -62,7 +64,7 @@ class Program:
         state = rank_state(self.case, ref_state, model, rank, world_size)
         return flat_tensors(functional_call(model, state, rank_inputs(self.case, inputs, rank, world_size)))
 
-    def checks(self, reference_outputs: int, rank_outputs: int, rank_params: list[str]) -> list[Check]:
+    def checks(self, reference_outputs: int, rank_outputs: int, rank_params: list[str], rank: int) -> list[Check]:
         if rank_outputs != reference_outputs:
             raise CaseError(f"a rank returns {rank_outputs} tensors but the reference returns {reference_outputs}")
         layout = self.case.output_layout()
@@ -80,6 +82,7 @@ class TrainingProgram(Program):
         self.step = step
         count = len(reference_params)
         self.bound = tuple(range(1, 1 + (2 if step else 1) * count))
+        self.freed: dict[int, frozenset[str]] = {}  # per rank: gradients its step set to None
 
     def reference(self, model: torch.nn.Module, state: dict, inputs: tuple) -> Tensors:
         params = _trainable(state, self.names)
@@ -101,24 +104,29 @@ class TrainingProgram(Program):
                 loss = self.case.distributed_step(model, local_inputs, rank, world_size)
             if not isinstance(loss, torch.Tensor):
                 raise CaseError("distributed_step(model, inputs, rank, world_size) must return the loss tensor")
+            freed = {n for n, p in params.items() if p.grad is None} if self.step else set()
             grads = [_grad_of(p) for p in params.values()]
         else:
             loss = self.case.loss(functional_call(model, {**local, **params}, local_inputs), *local_inputs)
-            grads = _gradients(loss, params)
+            freed, grads = set(), _gradients(loss, params)
             if self.step:
                 _optimizer_step(self._optimizer, params, grads)
-        outputs = [loss, *grads, *self._expected(bound[: len(self.names)], ref_state, model, rank, world_size, names)]
+        self.freed[rank] = frozenset(freed)
+        kept = [i for i, n in enumerate(names) if n not in freed]
+        expected = self._expected(bound[: len(self.names)], ref_state, model, rank, world_size, names)
+        outputs = [loss, *(grads[i] for i in kept), *(expected[i] for i in kept)]
         if self.step:
             updated = self._expected(bound[len(self.names) :], ref_state, model, rank, world_size, names)
             outputs += [*params.values(), *updated]
         return [_local(t) for t in outputs]
 
-    def checks(self, reference_outputs: int, rank_outputs: int, rank_params: list[str]) -> list[Check]:
-        count = len(rank_params)
+    def checks(self, reference_outputs: int, rank_outputs: int, rank_params: list[str], rank: int) -> list[Check]:
+        with_grad = [n for n in rank_params if n not in self.freed.get(rank, ())]
         checks = [Check("loss", 0, 0, "loss")]
-        checks += [Check(f"gradient of `{n}`", 1 + i, 1 + count + i, "rank") for i, n in enumerate(rank_params)]
+        checks += [Check(f"gradient of `{n}`", 1 + i, 1 + len(with_grad) + i, "rank") for i, n in enumerate(with_grad)]
         if self.step:
-            first = 1 + 2 * count
+            count = len(rank_params)
+            first = 1 + 2 * len(with_grad)
             checks += [Check(f"`{n}` after the optimizer step", first + i, first + count + i, "rank")
                        for i, n in enumerate(rank_params)]
         return checks

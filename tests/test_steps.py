@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardproof import verify
+from shardproof.capture.torch_capture import capture
 from shardproof.case import Case
 from shardproof.errors import CaseError
 from shardproof.oracle import run_numeric
@@ -129,3 +130,48 @@ def test_summed_data_parallel_gradients_are_a_discrepancy_named_by_gradient() ->
 def test_training_without_a_loss_is_a_case_error() -> None:
     with pytest.raises(CaseError, match="loss"):
         verify(Case(Mlp, lambda rank, n: TensorParallelMlp(n), _inputs), world_size=2, train=True)
+
+
+# --- gradients a user's step frees -------------------------------------------------------------
+def _sgd_freeing_weight_grad(model: nn.Module, inputs: tuple, rank: int, world_size: int) -> torch.Tensor:
+    """Data parallel SGD that frees the weight's gradient after the update, as ZeRO stage 2 does."""
+    loss = _mse(model(*inputs), *inputs)
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+            p.sub_(0.1 * p.grad)
+    model.weight.grad = None
+    return loss
+
+
+def _mse(output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(output, x)
+
+
+def _freeing_case(mode: str = "step") -> Case:
+    return Case(
+        reference=lambda: nn.Linear(4, 4),
+        distributed=lambda rank, n: nn.Linear(4, 4),
+        inputs=lambda: (torch.randn(4, 4),),
+        shard_input=lambda index, full, rank, n: full.chunk(n, 0)[rank],
+        loss=_mse,
+        distributed_step=_sgd_freeing_weight_grad,
+        mode=mode,
+    )
+
+
+def test_a_freed_gradient_is_claimed_through_its_updated_parameter() -> None:
+    labels = [check.label for check in capture(_freeing_case(), 2, mode="step").checks]
+    assert labels == ["loss", "gradient of `bias`", "`weight` after the optimizer step", "`bias` after the optimizer step"]
+    assert run_numeric(_freeing_case(), 2).agree
+    assert verify(_freeing_case(), world_size=2).verdict == "equivalent"
+
+
+def test_without_the_step_a_missing_gradient_is_zero() -> None:
+    """In training mode every gradient is claimed; one the step never produced counts as zero."""
+    case = _freeing_case("train")
+    labels = [check.label for check in capture(case, 2, mode="train").checks]
+    assert labels == ["loss", "gradient of `weight`", "gradient of `bias`"]
+    assert not run_numeric(case, 2).agree
+    assert verify(case, world_size=2).verdict != "equivalent"

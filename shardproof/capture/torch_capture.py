@@ -87,7 +87,7 @@ def capture(
                 with _recorded_reduce_ops() as reduce_ops:
                     gm = _trace_fx(f"rank {rank}", run_rank, leaves + bound, reduce_ops)
                 ranks.append(_lower(gm, leaf_names + bound_names, reduce_ops, rank))
-                rank_checks = program.checks(len(reference.outputs), len(ranks[-1].outputs), trainable_names(model))
+                rank_checks = program.checks(len(reference.outputs), len(ranks[-1].outputs), trainable_names(model), rank)
                 if checks is not None and [c.label for c in checks] != [c.label for c in rank_checks]:
                     raise CaseError(f"rank {rank} has other parameters than rank 0; every rank must hold the same names")
                 checks = rank_checks
@@ -145,11 +145,15 @@ def _process_group(rank: int, world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+# c10d functions taking a ReduceOp (torch 2.13 spells reduce_scatter_tensor reduce_scatter_single).
+_REDUCING_COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single", "reduce_scatter")
+
+
 @contextlib.contextmanager
 def _recorded_reduce_ops() -> Iterator[list[str]]:
     """In-place c10d collectives hide their ReduceOp in an opaque object: note it at call time."""
     recorded: list[str] = []
-    originals = {name: getattr(dist, name) for name in ("all_reduce", "reduce_scatter_tensor", "reduce_scatter")}
+    originals = {name: getattr(dist, name) for name in _REDUCING_COLLECTIVES}
 
     def wrap(name: str) -> Callable:
         original = originals[name]

@@ -389,6 +389,27 @@ def _cat(lo: Lowerer, tensors, dim: int = 0) -> int:
     return lo.emit("cat", tuple(values), (dim,))
 
 
+def _constant_pad(lo: Lowerer, x, pad: list[int], value: float = 0.0) -> int:
+    """F.pad(x, pad, value=v): per dim from the last, v-filled blocks concatenated before and
+    after (a negative pad crops)."""
+    out = lo.tensor(x)
+    rank = len(lo.shape(out))
+    for i in range(0, len(pad), 2):
+        dim, before, after = rank - 1 - i // 2, pad[i], pad[i + 1]
+        out = slice_value(lo, out, dim, max(0, -before), lo.shape(out)[dim] - max(0, -after))
+        shape = lo.shape(out)
+
+        def block(width: int) -> list[int]:
+            size = tuple(width if d == dim else s for d, s in enumerate(shape))
+            return [lo.emit("const", (), (("full", value),), size, lo.dtype(out))] if width > 0 else []
+
+        parts = [*block(before), out, *block(after)]
+        if len(parts) > 1:
+            total = tuple(sum(lo.shape(p)[dim] for p in parts) if d == dim else s for d, s in enumerate(shape))
+            out = lo.emit("cat", tuple(parts), (dim,), total, lo.dtype(out))
+    return out
+
+
 def broadcast_to(lo: Lowerer, value: int, shape: tuple[int, ...]) -> int:
     """Make broadcasting explicit: leading 1-dims by view, then expand."""
     have = lo.shape(value)
@@ -748,7 +769,7 @@ def _f_reduce_scatter(lo: Lowerer, x, op: str, group_size: int, group_name) -> i
     return lo.emit("reduce_scatter", (lo.tensor(x),), (0, op, lo.group_ranks(group_name)))
 
 
-_UNARY = ["neg", "exp", "log", "sqrt", "rsqrt", "reciprocal", "relu", "silu", "sigmoid", "tanh", "sin", "cos", "abs"]
+_UNARY = ["neg", "exp", "log", "sqrt", "rsqrt", "reciprocal", "relu", "silu", "sigmoid", "tanh", "erf", "sin", "cos", "abs"]
 _COMPARE = ["lt", "le", "gt", "ge", "eq", "ne"]
 
 _LOWER: dict[str, Callable[..., Value]] = {
@@ -768,6 +789,7 @@ _LOWER: dict[str, Callable[..., Value]] = {
     "aten.chunk": _chunk,
     "aten.unbind": _unbind,
     "aten.cat": _cat,
+    "aten.constant_pad_nd": _constant_pad,
     "aten.expand": _expand,
     "aten._to_copy": _convert,
     "aten.to": _convert,
@@ -810,6 +832,7 @@ _LOWER: dict[str, Callable[..., Value]] = {
     "aten.index": _index,
     "aten.full": _full,
     "aten.full_like": lambda lo, x, fill_value, **kw: lo.emit("const", (), (("full", fill_value),)),
+    "aten.new_full": lambda lo, x, size, fill_value, **kw: lo.emit("const", (), (("full", fill_value),)),
     "aten.zeros": _filled(0),
     "aten.zeros_like": _filled(0),
     "aten.new_zeros": _filled(0),

@@ -66,6 +66,7 @@ _SPECS = [
     OpSpec("gelu", "unary", lambda xs, a: F.gelu(xs[0], approximate=a[0]), "GELU (attrs: approximation)"),
     OpSpec("sigmoid", "unary", _unary(torch.sigmoid), "logistic"),
     OpSpec("tanh", "unary", _unary(torch.tanh), "tanh"),
+    OpSpec("erf", "unary", _unary(torch.erf), "error function (exact GELU and its backward)"),
     OpSpec("sin", "unary", _unary(torch.sin), "sin"),
     OpSpec("cos", "unary", _unary(torch.cos), "cos"),
     OpSpec("abs", "unary", _unary(torch.abs), "|x|"),

@@ -18,7 +18,9 @@ import itertools
 from fractions import Fraction
 from typing import Any, Callable
 
-from shardproof.ir.ops import OPS
+import torch
+
+from shardproof.ir.ops import OPS, run_op
 from shardproof.relations.layout import Box, box_shape, compose, full_box, reshape_groups, view_of_box
 from shardproof.relations.universe import Universe
 
@@ -574,8 +576,29 @@ class Rules:
             return self.literal("full", (), (0.0,), self.shape(first), self.u[first].dtype)
         if len(items) == 1 and items[0][1] == 1:
             return items[0][0]
+        by_parts = self._lin_of_cats(items)
+        if by_parts is not None:
+            return by_parts
         first = self.u[items[0][0]]
         return self.literal("lin", tuple(t for t, _ in items), (tuple(c for _, c in items),), first.shape, first.dtype)
+
+    def _lin_of_cats(self, items: list[tuple[int, Fraction]]) -> int | None:
+        """A sum of concatenations along one dim (and constants) is the concatenation of the sums of
+        their parts, cut at every part boundary: flat gradient buffers summed over ranks become the
+        per-parameter sums, where pieces of one contraction meet and merge."""
+        cats = [self.u[t] for t, _ in items if self.u[t].op == "cat"]
+        if not cats:
+            return None
+        dim = cats[0].attrs[0]
+        if any(self.u[t].op != "full" and (self.u[t].op != "cat" or self.u[t].attrs[0] != dim) for t, _ in items):
+            return None
+        shape = cats[0].shape
+        cuts = sorted({0, shape[dim]} | {end for t, _ in items if self.u[t].op == "cat" for _, end in _cat_bounds(self, t)})
+        parts = []
+        for lo, hi in zip(cuts, cuts[1:]):
+            box = tuple((lo, hi) if d == dim else (0, s) for d, s in enumerate(shape))
+            parts.append(self.lin([(self.slice(t, box), c) for t, c in items]))
+        return self.cat(parts, dim)
 
     def _unit_constant(self, t: int, c: Fraction) -> tuple[int, Fraction]:
         """c * full(v) is (v*c) * full(1): constants of one shape merge into one term."""
@@ -686,6 +709,11 @@ def _is_finite_number(value: Any) -> bool:
 
 
 # --- rule templates per op kind ---------------------------------------------------------------------
+# Ops whose value on constants is exact in floating point: folding them changes no value.
+_EXACT_ON_CONSTANTS = {"abs", "maximum", "minimum", "logical_not", "logical_and", "logical_or", "lt", "le", "gt", "ge",
+                       "eq", "ne"}
+
+
 def _elementwise(r: Rules, op: str, args: tuple[int, ...], attrs: tuple, shape: tuple[int, ...], dtype: str) -> int:
     """Elementwise ops commute with slices, concatenation and broadcasting of all their operands;
     a real product is linear in each factor, so a scalar multiple of one factor scales the product
@@ -696,6 +724,9 @@ def _elementwise(r: Rules, op: str, args: tuple[int, ...], attrs: tuple, shape: 
             if term.op == "lin" and len(term.args) == 1:
                 inner = args[:i] + term.args + args[i + 1 :]
                 return r.scale(r.build(op, inner, attrs, shape, dtype), term.attrs[0][0])
+    values = [r.full_value(a) for a in args]
+    if op in _EXACT_ON_CONSTANTS and None not in values:  # e.g. lerp's `|weight| >= 0.5` on a constant weight
+        return r.const(("full", run_op(op, [torch.tensor(v) for v in values], attrs).item()), shape, dtype)
     for a in args:
         for root, box in r.regions(a):
             if root == a:
@@ -719,7 +750,39 @@ def _elementwise(r: Rules, op: str, args: tuple[int, ...], attrs: tuple, shape: 
         dims = bases[0].attrs[0]
         inner = r.build(op, tuple(b.args[0] for b in bases), attrs, tuple(shape[d] for d in dims), dtype)
         return r.bcast(inner, shape, dims)
+    for a in args:
+        source = _viewed_from(r, a)
+        inner = [_unview(r, b, source) for b in args] if source is not None else [None]
+        if None not in inner:
+            return r.view(r.build(op, tuple(inner), attrs, source, dtype), shape)
     return r.literal(op, args, attrs, shape, dtype)
+
+
+def _viewed_from(r: Rules, t: int) -> tuple[int, ...] | None:
+    """The shape `t` was reshaped from, if its normal form is a view (inside lin and piece)."""
+    term = r.u[t]
+    if term.op == "view":
+        return r.shape(term.args[0])
+    if term.op in ("lin", "piece"):
+        return _viewed_from(r, term.args[0])
+    return None
+
+
+def _unview(r: Rules, t: int, shape: tuple[int, ...]) -> int | None:
+    """A term X of `shape` with view(X) == t, if the normal form shows one."""
+    term = r.u[t]
+    if term.op == "view" and r.shape(term.args[0]) == shape:
+        return term.args[0]
+    if term.op == "full":
+        return r.literal("full", (), term.attrs, shape, term.dtype)
+    if term.op in ("lin", "piece"):
+        inner = [_unview(r, a, shape) for a in term.args]
+        if None in inner:
+            return None
+        if term.op == "lin":
+            return r.lin(list(zip(inner, term.attrs[0])))
+        return r.piece(inner[0], *term.attrs)
+    return None
 
 
 def _cat_bounds(r: Rules, t: int) -> list[tuple[int, int]]:
@@ -784,6 +847,12 @@ def _layout(r: Rules, op: str, args, attrs, shape, dtype) -> int:
 def _reduce(r: Rules, op: str, args, attrs, shape, dtype) -> int:
     dims, keepdim = attrs
     x = args[0]
+    root_shape = r.shape(r.as_region(x)[0])
+    ones = [d for d in dims if root_shape[d] == 1]  # not a one-wide shard of a larger sum: that stays a piece
+    if ones and not keepdim:  # reducing a size-1 dim only drops it
+        squeezed = r.view(x, tuple(s for d, s in enumerate(r.shape(x)) if d not in ones))
+        rest = tuple(d - sum(o < d for o in ones) for d in dims if d not in ones)
+        return r.build(op, (squeezed,), (rest, False), shape, dtype) if rest else squeezed
     if keepdim:
         inner_shape = tuple(s for d, s in enumerate(r.shape(x)) if d not in dims)
         return r.view(r.build(op, (x,), (dims, False), inner_shape, dtype), shape)
@@ -994,6 +1063,9 @@ def _where(r: Rules, op: str, args, attrs, shape, dtype) -> int:
     cond, when_true, when_false = args
     if when_true == when_false:
         return when_true
+    chosen = r.full_value(cond)
+    if chosen is not None:
+        return when_true if chosen else when_false
     masked = _masked_lookup(r, cond, when_true, when_false)
     if masked is not None:
         return masked

@@ -13,6 +13,7 @@ from typing import Callable, Iterator
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate
@@ -260,8 +261,22 @@ def test_indexing_other_than_a_row_wise_gather_is_unsupported() -> None:
         capture(_elementwise_case(lambda w, x: w[(x > 0).long()].sum(0)), 2)
 
 
+def _padded(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return F.pad(x * w, (1, 2, -1, 0), value=0.5)
+
+
+def _erf_mse(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(torch.erf(x * w), x.new_full((4, 6), 0.25))
+
+
+def _averaged_shard(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    shard = torch.empty(2, 6)
+    dist.reduce_scatter_single(shard, x * w, op=dist.ReduceOp.AVG)
+    return shard
+
+
 _MODEL_FUNCTIONS = [Elementwise.forward, LabelLookups.forward, _in_place_chain, _copy_into_zeros, _write_view_read_base,
-                    _write_base_read_view, _all_reduce_view_read_base]
+                    _write_base_read_view, _all_reduce_view_read_base, _padded, _erf_mse, _averaged_shard]
 
 
 def _elementwise_case(reference: Callable, distributed: Callable | None = None) -> Case:
@@ -271,6 +286,24 @@ def _elementwise_case(reference: Callable, distributed: Callable | None = None) 
 
 @pytest.mark.parametrize("body", [_in_place_chain, _copy_into_zeros], ids=lambda f: f.__name__)
 def test_in_place_ops_lower_as_their_out_of_place_meaning(body: Callable) -> None:
+    _assert_ir_computes(body)
+
+
+@pytest.mark.parametrize("body", [_padded, _erf_mse], ids=lambda f: f.__name__)
+def test_composite_ops_lower_to_what_torch_computes(body: Callable) -> None:
+    """constant_pad_nd (also cropping), erf, mse_loss, new_full."""
+    _assert_ir_computes(body)
+
+
+def test_averaging_reduce_scatter_lowers_as_a_mean() -> None:
+    """torch 2.13's reduce_scatter_single hides its ReduceOp like the older spellings do."""
+    captured = capture(_elementwise_case(lambda w, x: x * w, _averaged_shard), 2)
+    for graph in captured.ranks:
+        (scatter,) = [n for n in graph.nodes if n.op == "reduce_scatter"]
+        assert scatter.attrs == (0, "mean", (0, 1))
+
+
+def _assert_ir_computes(body: Callable) -> None:
     captured = capture(_elementwise_case(body), 2)
     torch.manual_seed(0)
     inputs = (torch.randn(4, 6),)

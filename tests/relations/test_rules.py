@@ -554,7 +554,7 @@ def test_permute_of_permute():
 
 
 # --- elementwise ---------------------------------------------------------------------------------------
-UNARY = [("relu", ()), ("exp", ()), ("silu", ()), ("tanh", ()), ("gelu", ("tanh",)), ("pow", (2.0,))]
+UNARY = [("relu", ()), ("exp", ()), ("silu", ()), ("tanh", ()), ("erf", ()), ("gelu", ("tanh",)), ("pow", (2.0,))]
 
 
 @pytest.mark.parametrize("op,attrs", UNARY, ids=[u[0] for u in UNARY])
@@ -675,6 +675,46 @@ def test_convert_between_floats_is_the_identity():
     torch.testing.assert_close(b.value_of(y), x.value.float(), check_dtype=False, rtol=1e-6, atol=1e-6)
 
 
+
+@pytest.mark.parametrize("op", ["mul", "div", "maximum", "sqrt"])
+def test_elementwise_of_views_is_a_view(op):
+    """Elementwise ops on flattened parameters (an optimizer over a flat buffer) are the flattened
+    elementwise op, also through sums of views and constants."""
+    b = Build()
+    x, y = b.leaf("x", (3, 4)), b.leaf("y", (3, 4))
+    flat_x, flat_y = b.view(b.op("abs", x), (12,)), b.view(y, (12,))
+    operand = b.add(b.op("mul", flat_y, b.scalar(0.5, (12,))), b.scalar(2.0, (12,)))
+    z = b.op(op, flat_x) if op == "sqrt" else b.op(op, flat_x, operand)
+    b.check(z)
+    whole_operand = b.add(b.op("mul", y, b.scalar(0.5, (3, 4))), b.scalar(2.0, (3, 4)))
+    whole = b.op(op, b.op("abs", x)) if op == "sqrt" else b.op(op, b.op("abs", x), whole_operand)
+    assert b.view(z, (3, 4)).term == whole.term
+
+
+def test_elementwise_of_views_of_other_shapes_is_kept():
+    b = Build()
+    x, y = b.leaf("x", (3, 4)), b.leaf("y", (2, 6))
+    z = b.op("mul", b.view(x, (12,)), b.view(y, (12,)))
+    b.check(z)
+    assert b.op_of(z) == "mul"
+
+
+@pytest.mark.parametrize("weight", [0.1, 0.5, -0.7])
+def test_exact_ops_on_constants_fold_and_pick_a_branch(weight):
+    """lerp's decomposition tests |weight| >= 0.5 on a constant weight: the test folds, where picks."""
+    b = Build()
+    x, y = b.leaf("x", (2, 3)), b.leaf("y", (2, 3))
+    cond = b.op("ge", b.op("abs", b.scalar(weight, ())), b.scalar(0.5, ()))
+    assert b.op_of(cond) == "full"
+    z = b.op("where", b.expand(b.view(cond, (1, 1)), (2, 3)), x, b.op("exp", y))
+    b.check(z)
+    assert z.term == (x.term if abs(weight) >= 0.5 else b.op("exp", y).term)
+
+
+def test_inexact_ops_on_constants_are_not_folded():
+    b = Build()
+    assert b.op_of(b.op("exp", b.scalar(0.1, ()))) == "exp"
+
 # --- lin -------------------------------------------------------------------------------------------------
 def test_lin_add_is_commutative_and_associative():
     b = Build()
@@ -750,6 +790,53 @@ def test_lin_commutes_with_layout():
     b.check(z)
     assert b.op_of(z) == "lin"
 
+
+
+@st.composite
+def flat_buffers(draw):
+    """Parameter shapes, a world size and a padded flat length (ZeRO's gradient buffer)."""
+    shapes = draw(st.lists(st.tuples(st.integers(1, 3), st.integers(1, 4)), min_size=1, max_size=3))
+    ranks = draw(st.integers(1, 3))
+    numel = sum(r * c for r, c in shapes)
+    return shapes, ranks, -(-numel // ranks) * ranks - numel
+
+
+@SETTINGS
+@given(flat_buffers())
+def test_lin_of_flat_buffers_is_the_flat_buffer_of_sums(buffers):
+    """Each rank flattens its gradients into one padded buffer; the sum over ranks is the buffer
+    of the summed gradients, so pieces of one contraction meet again."""
+    shapes, ranks, pad = buffers
+    b = Build()
+    grads = [[b.leaf(f"g{r}_{i}", shape) for i, shape in enumerate(shapes)] for r in range(ranks)]
+
+    def flat(tensors):
+        parts = [b.view(t, (math.prod(t.shape),)) for t in tensors]
+        return b.cat(parts + ([b.scalar(0.0, (pad,))] if pad else []), 0) if len(parts) + bool(pad) > 1 else parts[0]
+
+    total = b.add(*(flat(g) for g in grads))
+    b.check(total)
+    summed = [b.add(*(grads[r][i] for r in range(ranks))) for i in range(len(shapes))]
+    assert total.term == flat(summed).term
+
+
+def test_lin_of_cats_with_other_boundaries_is_cut_at_all_of_them():
+    b = Build()
+    x, y = b.leaf("x", (6,)), b.leaf("y", (6,))
+    left = b.cat([b.sl(x, 0, 0, 2), b.op("exp", b.sl(x, 0, 2, 6))], 0)
+    right = b.cat([b.op("exp", b.sl(y, 0, 0, 4)), b.sl(y, 0, 4, 6)], 0)
+    total = b.add(left, b.op("mul", right, b.scalar(3.0, (6,))), b.scalar(1.0, (6,)))
+    b.check(total)
+    term = b.u[total.term]
+    assert term.op == "cat" and [b.u[p].shape[0] for p in term.args] == [2, 2, 2]
+
+
+def test_lin_of_a_cat_and_another_tensor_is_kept():
+    b = Build()
+    x, y = b.leaf("x", (6,)), b.leaf("y", (6,))
+    total = b.add(b.cat([b.op("exp", b.sl(x, 0, 0, 2)), b.sl(x, 0, 2, 6)], 0), y)
+    b.check(total)
+    assert b.op_of(total) == "lin"
 
 # --- matmul ----------------------------------------------------------------------------------------------
 @SETTINGS
@@ -1046,6 +1133,20 @@ def test_softmax_of_a_cat_along_another_dim():
     b.check(y)
     assert b.op_of(y) == "cat"
 
+
+
+@SETTINGS
+@given(st.integers(1, 4), st.integers(1, 3), st.integers(1, 3), st.booleans(), st.data())
+def test_sum_of_a_broadcast_scales_by_the_repeated_dims(rows, heads, width, keepdim, data):
+    """A bias broadcast over a batch shard of `rows` rows sums to rows * bias."""
+    b = Build()
+    bias = b.leaf("bias", (heads, width))
+    spread = b.expand(b.view(bias, (1, heads, width)), (rows, heads, width))
+    dims = data.draw(st.sampled_from([(0,), (0, 1), (0, 2), (1,), (0, 1, 2)]))
+    total = b.op("sum", spread, attrs=(dims, keepdim))
+    b.check(total)
+    if dims == (0,):
+        assert total.term == b.view(b.op("mul", bias, b.scalar(float(rows), (heads, width))), total.shape).term
 
 # --- embedding ------------------------------------------------------------------------------------------
 def test_embedding_of_a_column_slice_and_of_sliced_ids():
