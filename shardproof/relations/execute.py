@@ -79,17 +79,45 @@ def term_of(rules: Rules, node: Node, terms: list[int], rank: int | None, bound:
 
 
 def _resolve(rules: Rules, ranks: list[Graph], terms: list[list[int]], cursors: list[int], pending: list[int]) -> None:
+    """Resolve one collective that every member of its group has reached. Ranks outside the group
+    may wait at collectives of other groups (a 2-D mesh interleaves its TP and DP groups); when
+    no group is complete, the ranks would hang."""
+    for first in pending:
+        node = ranks[first].nodes[cursors[first]]
+        group = _group_of(node)
+        members = [(r, _waiting_at(ranks, cursors, r)) for r in group]
+        if any(n is None or _group_of(n) != group for _, n in members):
+            continue
+        mismatched = [(r, n) for r, n in members if n.op != node.op]
+        if mismatched:
+            raise _mismatch(first, node, mismatched)
+        _exchange(rules, ranks, terms, cursors, group)
+        return
     first = pending[0]
     node = ranks[first].nodes[cursors[first]]
-    group = _group_of(node)
-    members = [(r, ranks[r].nodes[cursors[r]] if cursors[r] < len(ranks[r].nodes) else None) for r in group]
-    mismatched = [(r, n) for r, n in members if n is None or n.op != node.op or _group_of(n) != group]
-    if any(r >= len(ranks) for r in group) or mismatched:
-        raise CollectiveMismatch(
-            f"rank {first} calls {node.op} over ranks {list(group)} but "
-            + ", ".join(f"rank {r} {'has finished' if n is None else 'calls ' + n.op}" for r, n in mismatched),
-            [(first, node)] + [(r, n) for r, n in mismatched if n is not None],
-        )
+    waiting = [(r, _waiting_at(ranks, cursors, r)) for r in _group_of(node)]
+    raise _mismatch(first, node, [(r, n) for r, n in waiting if n is None or _group_of(n) != _group_of(node)])
+
+
+def _waiting_at(ranks: list[Graph], cursors: list[int], rank: int) -> Node | None:
+    """The collective `rank` waits at; None once it has finished (or is no rank at all)."""
+    if rank >= len(ranks) or cursors[rank] >= len(ranks[rank].nodes):
+        return None
+    return ranks[rank].nodes[cursors[rank]]
+
+
+def _mismatch(first: int, node: Node, others: list[tuple[int, Node | None]]) -> CollectiveMismatch:
+    def doing(n: Node | None) -> str:
+        return "has finished" if n is None else f"calls {n.op} over ranks {list(_group_of(n))}"
+
+    return CollectiveMismatch(
+        f"rank {first} calls {node.op} over ranks {list(_group_of(node))} but "
+        + ", ".join(f"rank {r} {doing(n)}" for r, n in others),
+        [(first, node)] + [(r, n) for r, n in others if n is not None],
+    )
+
+
+def _exchange(rules: Rules, ranks: list[Graph], terms: list[list[int]], cursors: list[int], group: tuple[int, ...]) -> None:
     inputs = [terms[r][ranks[r].nodes[cursors[r]].inputs[0]] for r in group]
     for position, r in enumerate(group):
         local = ranks[r].nodes[cursors[r]]

@@ -715,15 +715,7 @@ _EXACT_ON_CONSTANTS = {"abs", "maximum", "minimum", "logical_not", "logical_and"
 
 
 def _elementwise(r: Rules, op: str, args: tuple[int, ...], attrs: tuple, shape: tuple[int, ...], dtype: str) -> int:
-    """Elementwise ops commute with slices, concatenation and broadcasting of all their operands;
-    a real product is linear in each factor, so a scalar multiple of one factor scales the product
-    (not so for integers, where a fractional scale truncates)."""
-    if op == "mul" and dtype in FLOAT_DTYPES and all(r.u[a].dtype in FLOAT_DTYPES for a in args):
-        for i, a in enumerate(args):
-            term = r.u[a]
-            if term.op == "lin" and len(term.args) == 1:
-                inner = args[:i] + term.args + args[i + 1 :]
-                return r.scale(r.build(op, inner, attrs, shape, dtype), term.attrs[0][0])
+    """Elementwise ops commute with slices, concatenation and broadcasting of all their operands."""
     values = [r.full_value(a) for a in args]
     if op in _EXACT_ON_CONSTANTS and None not in values:  # e.g. lerp's `|weight| >= 0.5` on a constant weight
         return r.const(("full", run_op(op, [torch.tensor(v) for v in values], attrs).item()), shape, dtype)
@@ -805,11 +797,40 @@ def _add(r: Rules, args, attrs, shape, dtype) -> int:
     return r.lin([(args[0], Fraction(1)), (args[1], Fraction(1))])
 
 
+def _common_factor(r: Rules, t: int) -> tuple[int, Fraction]:
+    """(u, c) with t = c * u, so that scales move out of products (a gradient averaged over a
+    data-parallel group is (1/dp) times the sum over its batch shard). A scaled term gives its
+    coefficient; a sum gives c > 0, the largest rational dividing every coefficient, which does
+    not depend on the order of the terms, so every rank's slice of a sum factors like the sum."""
+    term = r.u[t]
+    if term.op != "lin" or term.dtype not in FLOAT_DTYPES:  # integer lin truncates: no factoring
+        return t, Fraction(1)
+    coefs = term.attrs[0]
+    if len(coefs) == 1:
+        return term.args[0], coefs[0]
+    c = Fraction(math.gcd(*(k.numerator for k in coefs)), math.lcm(*(k.denominator for k in coefs)))
+    if c == 1:
+        return t, c
+    return r.lin([(a, k / c) for a, k in zip(term.args, coefs)]), c
+
+
+def _bilinear(r: Rules, op: str, args, attrs, shape, dtype) -> int | None:
+    """c*x (op) d*y = c*d * (x (op) y) for ops linear in each real operand (mul, matmul); not for
+    integers, where a fractional scale truncates."""
+    (x, c), (y, d) = (_common_factor(r, a) for a in args)
+    if c == 1 and d == 1:
+        return None
+    return r.scale(r.build(op, (x, y), attrs, shape, dtype), c * d)
+
+
 def _mul(r: Rules, args, attrs, shape, dtype) -> int:
     for i, a in enumerate(args):
         value = r.full_value(a)
         if _is_finite_number(value) and dtype in FLOAT_DTYPES:
             return r.scale(args[1 - i], value)
+    scaled = _bilinear(r, "mul", args, attrs, shape, dtype)
+    if scaled is not None:
+        return scaled
     for i, a in enumerate(args):
         other = args[1 - i]
         if r.op(a) == "piece" and r.op(other) != "piece":
@@ -821,6 +842,9 @@ def _div(r: Rules, args, attrs, shape, dtype) -> int:
     value = r.full_value(args[1])
     if _is_finite_number(value) and value != 0 and dtype in FLOAT_DTYPES:
         return r.scale(args[0], Fraction(1) / Fraction(value))
+    (x, c), (y, d) = (_common_factor(r, a) for a in args)
+    if c != 1 or d != 1:
+        return r.scale(r.build("div", (x, y), attrs, shape, dtype), c / d)
     return _elementwise(r, "div", args, attrs, shape, dtype)
 
 
@@ -944,12 +968,12 @@ def _matmul(r: Rules, op: str, args, attrs, shape, dtype) -> int:
         inner = ta.args[0]  # rows permuted, contraction dim in place: permute the product instead
         product = r.build(op, (inner, b), attrs, r.shape(inner)[:-1] + shape[-1:], dtype)
         return r.permute(product, ta.attrs[0])
+    scaled = _bilinear(r, op, args, attrs, shape, dtype)
+    if scaled is not None:
+        return scaled
     for i, t in enumerate((a, b)):
         term = r.u[t]
         other = args[1 - i]
-        if term.op == "lin" and len(term.args) == 1:
-            inner = (term.args[0], other) if i == 0 else (other, term.args[0])
-            return r.scale(r.build("matmul", inner, attrs, shape, dtype), term.attrs[0][0])
         if term.op == "piece" and r.op(other) != "piece":
             return r._map_linear(
                 t, lambda x: r.build("matmul", (x, other) if i == 0 else (other, x), attrs, shape, dtype), shape

@@ -111,6 +111,7 @@ def test_scales_compose_and_collect() -> None:
     g = Algebra()
     half, third = g.lin((g.x, Fraction(1, 2))), g.lin((g.y, Fraction(1, 3)))
     assert g.mul(half, third) == g.lin((g.mul(g.x, g.y), Fraction(1, 6)))  # the normal form pulls scales out
+    _true(g, g.mul(half, g.mul(third, g.z)), g.lin((g.mul(g.mul(g.x, g.y), g.z), Fraction(1, 6))))
     difference_of_squares = g.mul(g.add(g.x, g.y), g.lin((g.x, 1), (g.y, -1)))
     _true(g, difference_of_squares, g.lin((g.mul(g.x, g.x), 1), (g.mul(g.y, g.y), -1)))
 

@@ -983,6 +983,43 @@ def test_mlp_megatron_column_then_row(ffn, data):
     b.check(total)
 
 
+
+@pytest.mark.parametrize("op", ["mul", "matmul", "div"])
+def test_scales_move_out_of_products(op):
+    """c*x (op) y is c * (x (op) y); for div also x / (c*y) = (1/c) * (x / y)."""
+    b = Build()
+    x, y, z = (b.leaf(n, (3, 3)) for n in "xyz")
+    positive = b.op("exp", z)
+
+    def third(t: V) -> V:
+        return b.op("mul", t, b.scalar(1 / 3, (3, 3)))
+
+    scaled = b.op(op, third(b.sub(x, b.add(y, y))), positive)
+    b.check(scaled)
+    assert scaled.term == third(b.op(op, b.sub(x, b.add(y, y)), positive)).term
+    if op == "div":
+        inverse = b.op(op, x, b.op("mul", positive, b.scalar(4.0, (3, 3))))
+        b.check(inverse)
+        assert inverse.term == b.op("mul", b.op(op, x, positive), b.scalar(0.25, (3, 3))).term
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_data_parallel_mean_of_shard_gradients_is_the_gradient(ranks):
+    """Each rank's gradient is a mean over its batch shard; their mean over ranks is the
+    reference's mean over the whole batch, though every rank's coefficients are `ranks` times larger."""
+    b = Build()
+    out, target, h = b.leaf("out", (8, 3)), b.leaf("target", (8, 3)), b.leaf("h", (8, 5))
+
+    def grad(rows: int, o: V, t: V, a: V) -> V:
+        residual = b.op("mul", b.sub(o, t), b.scalar(2 / (rows * 3), (rows, 3)))
+        return b.op("matmul", b.permute(residual, (1, 0)), a)
+
+    shard = 8 // ranks
+    local = [grad(shard, *(b.sl(v, 0, r * shard, (r + 1) * shard) for v in (out, target, h))) for r in range(ranks)]
+    mean = b.op("mul", b.add(*local), b.scalar(1 / ranks, (3, 5)))
+    b.check(mean)
+    assert mean.term == grad(8, out, target, h).term
+
 # --- reductions and softmax ------------------------------------------------------------------------------
 def test_sum_over_a_sliced_dim_with_another_dim_sliced():
     b = Build()
