@@ -29,6 +29,7 @@ from torch.testing._internal.distributed.multi_threaded_pg import (
     _uninstall_threaded_pg,
 )
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardproof.case import Case, Output
 from shardproof.errors import CaseError
@@ -70,7 +71,7 @@ def run_numeric(
 ) -> NumericResult:
     """Agree when every check of the case's program (steps.py) holds on every rank to within
     `atol + rtol * max|expected|`."""
-    with _LOCK, _default_dtype(torch.float64), torch.random.fork_rng(devices=[]):
+    with _LOCK, _default_dtype(torch.float64), torch.random.fork_rng(devices=[]), _RealFloats():
         torch.manual_seed(seed)
         ref = case.reference()
         _randomise_parameters(ref)
@@ -82,10 +83,11 @@ def run_numeric(
         names: list[list[str]] = [[] for _ in range(world_size)]
 
         def run_rank(rank: int) -> list[torch.Tensor]:
-            model = case.distributed(rank, world_size)
-            names[rank] = trainable_names(model)
-            outputs = program.rank(model, _private(ref_state), _private(inputs), rank, world_size, _private(bound))
-            return _plain(outputs)
+            with _RealFloats():  # dispatch modes are per thread
+                model = case.distributed(rank, world_size)
+                names[rank] = trainable_names(model)
+                outputs = program.rank(model, _private(ref_state), _private(inputs), rank, world_size, _private(bound))
+                return _plain(outputs)
 
         outputs, hung = _run_ranks(run_rank, world_size)
         if hung:
@@ -98,6 +100,21 @@ def run_numeric(
         return _compare(ref_out, outputs, checks[0], atol, rtol)
     except (_Mismatch, CaseError) as mismatch:
         return NumericResult(False, math.inf, math.inf, str(mismatch))
+
+
+class _RealFloats(TorchDispatchMode):
+    """Every float dtype a program asks for is float64: the prover reads casts between float types
+    as the identity (equivalence over the reals), so a bf16 model with fp32 master weights is
+    judged by its arithmetic, not by its rounding."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        args = tuple(_real(a) for a in args)
+        kwargs = {k: _real(v) for k, v in (kwargs or {}).items()}
+        return func(*args, **kwargs)
+
+
+def _real(value: Any) -> Any:
+    return torch.float64 if isinstance(value, torch.dtype) and value.is_floating_point else value
 
 
 @contextmanager

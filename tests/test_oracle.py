@@ -110,3 +110,22 @@ def test_rank_exception_propagates_and_leaves_no_threads() -> None:
 def test_seeded_and_deterministic() -> None:
     case = _megatron_case(reduce=True)
     assert run_numeric(case, 2, seed=3).max_abs_error == run_numeric(case, 2, seed=3).max_abs_error
+
+
+class HalfPrecisionMlp(Mlp):
+    """A bf16 model fed bf16 activations whose output is cast back: the arithmetic is the reference's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.to(torch.bfloat16)).float()
+
+
+def test_float_casts_are_the_identity() -> None:
+    """The prover reads casts between float dtypes as the identity; the oracle runs them in float64."""
+    case = Case(reference=Mlp, distributed=lambda rank, n: HalfPrecisionMlp(), inputs=_inputs)
+    result = run_numeric(case, 2)
+    assert result.agree, result.detail
+    assert result.max_abs_error < 1e-12

@@ -389,6 +389,18 @@ def _cat(lo: Lowerer, tensors, dim: int = 0) -> int:
     return lo.emit("cat", tuple(values), (dim,))
 
 
+def _stack(lo: Lowerer, tensors, dim: int = 0) -> int:
+    """torch.stack: each tensor viewed with a new size-1 dim at `dim`, then concatenated there."""
+    values = [lo.tensor(t) for t in tensors]
+    shape = lo.shape(values[0])
+    dim = _dim(dim, len(shape) + 1)
+    one = shape[:dim] + (1,) + shape[dim:]
+    rows = [lo.emit("view", (v,), (one,), one, lo.dtype(v)) for v in values]
+    if len(rows) == 1:
+        return rows[0]
+    return lo.emit("cat", tuple(rows), (dim,), shape[:dim] + (len(rows),) + shape[dim:], lo.dtype(values[0]))
+
+
 def _constant_pad(lo: Lowerer, x, pad: list[int], value: float = 0.0) -> int:
     """F.pad(x, pad, value=v): per dim from the last, v-filled blocks concatenated before and
     after (a negative pad crops)."""
@@ -790,6 +802,7 @@ _LOWER: dict[str, Callable[..., Value]] = {
     "aten.unbind": _unbind,
     "aten.cat": _cat,
     "aten.constant_pad_nd": _constant_pad,
+    "aten.stack": _stack,
     "aten.expand": _expand,
     "aten._to_copy": _convert,
     "aten.to": _convert,

@@ -6,6 +6,8 @@ computation it came from must agree on random leaves.
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import torch
 
 from shardproof.ir.ops import OPS, run_op
@@ -51,7 +53,8 @@ def _one(universe: Universe, t: int, value, leaves: dict[str, torch.Tensor]) -> 
     if op == "leaf":
         return leaves[attrs[0]]
     if op == "full":
-        return torch.full(shape, attrs[0], dtype=_torch_dtype(term.dtype))
+        value = float(attrs[0]) if isinstance(attrs[0], Fraction) else attrs[0]  # scaled constants keep exact values
+        return torch.full(shape, value, dtype=_torch_dtype(term.dtype))
     if op == "const":
         if attrs[0] == "values":
             flat = torch.tensor(attrs[1], dtype=_torch_dtype(term.dtype))

@@ -27,6 +27,12 @@ from shardproof.relations.universe import Universe
 FLOAT_DTYPES = {"float16", "bfloat16", "float32", "float64"}
 PARTS = ("lin", "piece", "max_piece")  # terms that layout ops map into: they move elements, so they
 # commute with summing ranks' values and with taking their max
+REAL = "float64"  # the dtype of every float term
+
+
+def real(dtype: str) -> str:
+    """The dtype a term of IR dtype `dtype` has."""
+    return REAL if dtype in FLOAT_DTYPES else dtype
 
 
 class Rules:
@@ -57,7 +63,9 @@ class Rules:
         return self.u[t].op
 
     def literal(self, op: str, args: tuple[int, ...], attrs: tuple, shape: tuple[int, ...], dtype: str) -> int:
-        return self.u.intern(op, args, attrs, shape, dtype)
+        """Terms are values over the reals: every float dtype is one (a bf16 matmul of fp32 values
+        cast down is the fp32 matmul); integer and bool dtypes stay apart."""
+        return self.u.intern(op, args, attrs, shape, real(dtype))
 
     # --- leaves and constants ---------------------------------------------------------------------
     def leaf(self, name: str, shape: tuple[int, ...], dtype: str) -> int:
@@ -576,6 +584,9 @@ class Rules:
             return self.literal("full", (), (0.0,), self.shape(first), self.u[first].dtype)
         if len(items) == 1 and items[0][1] == 1:
             return items[0][0]
+        only, c = items[0]
+        if len(items) == 1 and self.full_value(only) == 1 and self.u[only].dtype in FLOAT_DTYPES:
+            return self.literal("full", (), (c,), self.shape(only), self.u[only].dtype)  # a scaled constant is a constant
         by_parts = self._lin_of_cats(items)
         if by_parts is not None:
             return by_parts
@@ -705,7 +716,7 @@ def _adjacent_runs(ranges: list[tuple[int, int, int]]) -> list[list[tuple[int, i
 
 
 def _is_finite_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return isinstance(value, (int, float, Fraction)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 # --- rule templates per op kind ---------------------------------------------------------------------
@@ -718,7 +729,8 @@ def _elementwise(r: Rules, op: str, args: tuple[int, ...], attrs: tuple, shape: 
     """Elementwise ops commute with slices, concatenation and broadcasting of all their operands."""
     values = [r.full_value(a) for a in args]
     if op in _EXACT_ON_CONSTANTS and None not in values:  # e.g. lerp's `|weight| >= 0.5` on a constant weight
-        return r.const(("full", run_op(op, [torch.tensor(v) for v in values], attrs).item()), shape, dtype)
+        exact = [torch.tensor(float(v) if isinstance(v, Fraction) else v) for v in values]
+        return r.const(("full", run_op(op, exact, attrs).item()), shape, dtype)
     for a in args:
         for root, box in r.regions(a):
             if root == a:
@@ -884,8 +896,10 @@ def _reduce(r: Rules, op: str, args, attrs, shape, dtype) -> int:
     if op == "sum" and term.op in ("lin", "piece"):
         return r._map_linear(x, lambda t: r.build(op, (t,), attrs, shape, dtype), shape)
     copies = term.op == "bcast" and not set(dims) <= set(term.attrs[0])
-    if op in _SPLIT_REDUCTIONS and copies and term.dtype == dtype:
+    if op in _SPLIT_REDUCTIONS and copies and term.dtype == real(dtype):
         return _reduce_copies(r, op, x, dims, shape, dtype)
+    if op == "sum" and term.op == "cat" and term.attrs[0] in dims:  # a sum over the joined dim adds the parts' sums
+        return r.lin([(r.build(op, (p,), attrs, shape, dtype), Fraction(1)) for p in term.args])
     root, box = r.as_region(x)
     if root != x:
         reduced_restricted = [d for d in dims if box[d] != (0, r.shape(root)[d])]

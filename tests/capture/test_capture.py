@@ -269,6 +269,10 @@ def _erf_mse(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(torch.erf(x * w), x.new_full((4, 6), 0.25))
 
 
+def _stacked(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return torch.stack([x * w, x], dim=1).sum(dim=0)
+
+
 def _averaged_shard(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     shard = torch.empty(2, 6)
     dist.reduce_scatter_single(shard, x * w, op=dist.ReduceOp.AVG)
@@ -276,7 +280,7 @@ def _averaged_shard(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 _MODEL_FUNCTIONS = [Elementwise.forward, LabelLookups.forward, _in_place_chain, _copy_into_zeros, _write_view_read_base,
-                    _write_base_read_view, _all_reduce_view_read_base, _padded, _erf_mse, _averaged_shard]
+                    _write_base_read_view, _all_reduce_view_read_base, _padded, _erf_mse, _stacked, _averaged_shard]
 
 
 def _elementwise_case(reference: Callable, distributed: Callable | None = None) -> Case:
@@ -289,9 +293,9 @@ def test_in_place_ops_lower_as_their_out_of_place_meaning(body: Callable) -> Non
     _assert_ir_computes(body)
 
 
-@pytest.mark.parametrize("body", [_padded, _erf_mse], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("body", [_padded, _erf_mse, _stacked], ids=lambda f: f.__name__)
 def test_composite_ops_lower_to_what_torch_computes(body: Callable) -> None:
-    """constant_pad_nd (also cropping), erf, mse_loss, new_full."""
+    """constant_pad_nd (also cropping), erf, mse_loss, new_full, stack."""
     _assert_ir_computes(body)
 
 

@@ -1185,6 +1185,42 @@ def test_sum_of_a_broadcast_scales_by_the_repeated_dims(rows, heads, width, keep
     if dims == (0,):
         assert total.term == b.view(b.op("mul", bias, b.scalar(float(rows), (heads, width))), total.shape).term
 
+
+@SETTINGS
+@given(st.lists(st.integers(1, 3), min_size=2, max_size=4), st.booleans())
+def test_sum_over_the_joined_dim_of_a_cat_adds_the_parts(sizes, all_dims):
+    """Stacked per-micro-batch losses summed over the stack are the sum of the losses."""
+    b = Build()
+    parts = [b.op("exp", b.leaf(f"p{i}", (n, 3))) for i, n in enumerate(sizes)]
+    dims = (0, 1) if all_dims else (0,)
+    total = b.op("sum", b.cat(parts, 0), attrs=(dims, False))
+    b.check(total)
+    assert total.term == b.add(*(b.op("sum", p, attrs=(dims, False)) for p in parts)).term
+
+
+@pytest.mark.parametrize("divisor", [2, 3])
+def test_a_scaled_constant_is_a_constant(divisor):
+    """The backward seed of `(loss / steps).backward()` is the constant 1/steps, exactly."""
+    b = Build()
+    x = b.leaf("x", (2, 3))
+    seed = b.op("div", b.scalar(1.0, ()), b.scalar(divisor, ()))
+    assert b.op_of(seed) == "full" and b.u[seed.term].attrs == (Fraction(1, divisor),)
+    y = b.op("mul", x, b.expand(b.view(seed, (1, 1)), (2, 3)))
+    b.check(y)
+    t = b.u[y.term]
+    assert t.op == "lin" and t.args == (x.term,) and t.attrs[0] == (Fraction(1, divisor),)
+
+
+def test_float_dtypes_are_one_real_dtype():
+    """A bf16 matmul of values cast down is the fp32 matmul: terms are values over the reals."""
+    r = Rules()
+    x, w = r.leaf("x", (2, 3), "float32"), r.leaf("w", (3, 4), "float32")
+    low = [r.build("convert", (t,), ("bfloat16",), r.shape(t), "bfloat16") for t in (x, w)]
+    assert low == [x, w]
+    assert r.build("matmul", tuple(low), (), (2, 4), "bfloat16") == r.build("matmul", (x, w), (), (2, 4), "float32")
+    ids = r.leaf("ids", (2, 3), "int64")
+    assert r.build("convert", (ids,), ("float32",), (2, 3), "float32") != ids
+
 # --- embedding ------------------------------------------------------------------------------------------
 def test_embedding_of_a_column_slice_and_of_sliced_ids():
     b = Build()
