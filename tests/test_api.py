@@ -19,6 +19,7 @@ KIND_WORDS = {
     "double-count": "double counting",
     "scale": "wrong scale",
     "layout": "wrong layout",
+    "wrong-group": "wrong group",
 }
 
 

@@ -12,6 +12,7 @@ import contextlib
 import re
 import sys
 from pathlib import Path
+from types import CodeType, SimpleNamespace
 from typing import Any, Callable, Iterator
 
 import torch
@@ -29,9 +30,10 @@ _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S
 
 
 def anchor_user_code(functions: list[Callable], case_dir: Path) -> None:
-    """make_fx keeps only frames named `forward`; keep every frame of the user's own code too."""
+    """make_fx keeps only frames named `forward`; keep every frame of the user's own code too,
+    nested functions and lambdas (a gradient hook) included."""
     for fn in functions:
-        _register_stack_trace_anchor(fn)
+        _anchor_code(fn.__code__)
     for module in list(sys.modules.values()):
         path = getattr(module, "__file__", None)
         if not path or not Path(path).resolve().is_relative_to(case_dir):
@@ -40,7 +42,14 @@ def anchor_user_code(functions: list[Callable], case_dir: Path) -> None:
             candidates = vars(value).values() if isinstance(value, type) else [value]
             for fn in candidates:
                 if hasattr(fn, "__code__") and fn.__code__.co_filename == path:
-                    _register_stack_trace_anchor(fn)
+                    _anchor_code(fn.__code__)
+
+
+def _anchor_code(code: CodeType) -> None:
+    _register_stack_trace_anchor(SimpleNamespace(__code__=code))
+    for inner in code.co_consts:
+        if isinstance(inner, CodeType):
+            _anchor_code(inner)
 
 
 @contextlib.contextmanager

@@ -180,6 +180,9 @@ class Diagnoser:
 
     # --- a sum over ranks that does not add up ------------------------------------------------------
     def _at_collective(self, rank: int, node: Node) -> Finding:
+        narrow = self._wrong_group(rank, node)
+        if narrow is not None:
+            return narrow
         t = self.run.ranks[rank][node.id]
         term = self.r.u[t]
         parts = list(zip(term.args, term.attrs[0])) if term.op == "lin" else [(t, Fraction(1))]
@@ -480,6 +483,10 @@ class Diagnoser:
                 f"over ranks {list(collective.attrs[-1])}; the other ranks' shares of it never arrive",
                 [(rank, join), (rank, collective)],
             )
+        for collective in reversed(self._partial_chain(rank, node)):
+            narrow = self._wrong_group(rank, collective)
+            if narrow is not None:
+                return narrow
         copy = self._reduced_copy(rank, node)
         if copy is not None:
             return Finding(
@@ -515,6 +522,31 @@ class Diagnoser:
                 if n.op == "add" and len(done) < len(ins):
                     return n, done[0]
         return None
+
+    def _wrong_group(self, rank: int, node: Node) -> Finding | None:
+        """A reducing collective whose sum stays partial over its group but adds up once the same
+        collective's inputs on the other ranks join: it reduces over too few ranks."""
+        if node.op not in ("all_reduce", "reduce_scatter"):
+            return None
+        k = [n.id for n in self.ranks[rank].nodes if n.op in ("all_reduce", "reduce_scatter")].index(node.id)
+        inputs = {}  # each rank's input to its k-th reduction
+        for graph in self.ranks:
+            reductions = [n for n in graph.nodes if n.op in ("all_reduce", "reduce_scatter")]
+            if k < len(reductions):
+                inputs[graph.rank] = self.run.ranks[graph.rank][reductions[k].inputs[0]]
+        group = list(node.attrs[-1])
+        others = sorted(set(inputs) - set(group))
+        mine = self.r.lin([(inputs[s], Fraction(1)) for s in group if s in inputs])
+        everyone = self.r.lin([(t, Fraction(1)) for t in inputs.values()])
+        if not others or not self.partial(mine) or self.partial(everyone):
+            return None
+        return Finding(
+            "discrepancy",
+            "wrong group",
+            f"wrong group: `{node.op}` over ranks {group} adds up only part of a sum; ranks {others} hold the other "
+            f"shares (reduce over ranks {sorted(group + others)})",
+            [(rank, node)],
+        )
 
     def _reduced_copy(self, rank: int, node: Node) -> Node | None:
         """A collective whose input is a value on the way to `node` but whose result never reaches it."""
