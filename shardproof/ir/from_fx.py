@@ -531,7 +531,7 @@ def _max(lo: Lowerer, x, dim=None, keepdim: bool = False) -> Value:
 def _mean(lo: Lowerer, x, dims=None, keepdim: bool = False, **kwargs) -> int:
     total = _reduce("sum")(lo, x, dims, keepdim)
     count = math.prod(lo.shape(lo.tensor(x))) // max(1, math.prod(lo.shape(total)))
-    return lo.emit("mul", (total, broadcast_to(lo, lo.scalar(1.0 / count), lo.shape(total))))
+    return lo.emit("div", (total, broadcast_to(lo, lo.scalar(count), lo.shape(total))))  # 1/count exactly
 
 
 def _layer_norm(lo: Lowerer, x, normalized_shape, weight=None, bias=None, eps: float = 1e-5) -> tuple:
@@ -559,7 +559,7 @@ def _combine(lo: Lowerer, op: str, a: int, b: int) -> int:
 def _mean_of(lo: Lowerer, value: int, dims: tuple[int, ...]) -> int:
     shape = tuple(1 if d in dims else n for d, n in enumerate(lo.shape(value)))
     total = lo.emit("sum", (value,), (dims, True), shape, lo.dtype(value))
-    return _combine(lo, "mul", total, lo.scalar(1.0 / max(1, math.prod(lo.shape(value)) // math.prod(shape))))
+    return _combine(lo, "div", total, lo.scalar(max(1, math.prod(lo.shape(value)) // math.prod(shape))))
 
 
 def _softmax(op: str) -> Callable[..., int]:

@@ -192,16 +192,30 @@ class Diagnoser:
         miscounted = self._miscounted(parts)
         if miscounted is not None:
             extra, have, want = miscounted
-            kind = "double counting" if have == want * len(node.attrs[-1]) else "wrong scale"
-            culprit = self._introducing(rank, node, lambda x: extra in self._lin_args(x))
-            return Finding(
-                "discrepancy",
-                kind,
-                f"{kind}: after `{node.op}` the term {self.r.u.render(extra, 2)} is counted {have} times where the "
-                f"reference counts it {want} times: it is added on every rank before the sum over ranks",
-                [(rank, culprit), (rank, node)],
-            )
+            counted = f"after `{node.op}` the term {self.r.u.render(extra, 2)} is counted {have} times where the " \
+                      f"reference counts it {want} times"
+            if have == want * len(node.attrs[-1]):
+                culprit = self._introducing(rank, node, lambda x: extra in self._lin_args(x))
+                message = f"double counting: {counted}: it is added on every rank before the sum over ranks"
+                return Finding("discrepancy", "double counting", message, [(rank, culprit), (rank, node)])
+            scaling = self._scaling_origin(rank, node)
+            culprit = scaling or self._introducing(rank, node, lambda x: extra in self._lin_args(x))
+            where = f": each rank's share is scaled by {self._coefficient(rank, scaling)} here" if scaling else ""
+            return Finding("discrepancy", "wrong scale", f"wrong scale: {counted}{where}", [(rank, culprit), (rank, node)])
         return self._unexplained(rank, node)
+
+    def _scaling_origin(self, rank: int, node: Node) -> Node | None:
+        """The first op that puts a constant factor on a rank's share of a sum flowing into `node`
+        (a mean's division, a loss normalisation): where a wrong scale is usually set."""
+        terms = self.run.ranks[rank]
+        for n in self._partial_chain(rank, node):
+            term = self.r.u[terms[n.id]]
+            if term.op == "lin" and any(c != 1 for c in term.attrs[0]) and all(self.r.u[a].op == "piece" for a in term.args):
+                return n
+        return None
+
+    def _coefficient(self, rank: int, node: Node) -> Fraction:
+        return self.r.u[self.run.ranks[rank][node.id]].attrs[0][0]
 
     def _uneven_pieces(self, rank: int, node: Node, pieces: list[tuple[int, Fraction]]) -> Finding:
         ranges = sorted((self.r.u[p].attrs[1], self.r.u[p].attrs[2], c) for p, c in pieces)
