@@ -33,7 +33,8 @@ def anchor_user_code(functions: list[Callable], case_dir: Path) -> None:
     """make_fx keeps only frames named `forward`; keep every frame of the user's own code too,
     nested functions and lambdas (a gradient hook) included."""
     for fn in functions:
-        _anchor_code(fn.__code__)
+        if hasattr(fn, "__code__"):
+            _anchor_code(fn.__code__)
     for module in list(sys.modules.values()):
         path = getattr(module, "__file__", None)
         if not path or not Path(path).resolve().is_relative_to(case_dir):
