@@ -566,7 +566,7 @@ class Diagnoser:
         """A collective whose input is a value on the way to `node` but whose result never reaches it."""
         graph, terms = self.ranks[rank], self.run.ranks[rank]
         chain_terms = {terms[n.id] for n in self._partial_chain(rank, node)}
-        used = {n.id for n in _ancestors(graph, node)}
+        used = {n.id for n in graph.ancestors(node)}
         for n in graph.nodes:
             if OPS[n.op].kind == "collective" and n.id not in used and terms[n.inputs[0]] in chain_terms:
                 return n
