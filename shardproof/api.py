@@ -10,12 +10,12 @@ from typing import Callable
 
 import torch
 
-from shardproof.capture.torch_capture import capture
+from shardproof.capture.torch_capture import Captured, capture
 from shardproof.case import Case, load_case, normalize_output
 from shardproof.errors import UnsupportedOp
 from shardproof.ir.graph import Graph, Node
 from shardproof.oracle import NumericResult, run_numeric
-from shardproof.prove import prove
+from shardproof.prove import Proof, prove
 from shardproof.relations.diagnose import Finding
 from shardproof.report.model import Report, Site
 
@@ -68,11 +68,16 @@ def verify(
     if proof.finding is not None and proof.verdict == "discrepancy":
         progress("confirming the discrepancy on random weights")
         numbers = lambda: run_numeric(case, n, mode=mode)  # noqa: E731
-        proof.finding = _confirmed(numbers, proof.finding, _state_elements(captured.reference))
+        proof.finding = confirmed(numbers, proof.finding, _state_elements(captured.reference))
+    return proof_report(proof, captured, n, time.perf_counter() - start)
+
+
+def proof_report(proof: Proof, captured: Captured, world_size: int, seconds: float) -> Report:
+    """The report of a finished proof: verdict, figures, and the sites a finding names."""
     report = Report(
         proof.verdict,
-        n,
-        time.perf_counter() - start,
+        world_size,
+        seconds,
         captured.reference.op_count(),
         sum(g.op_count() for g in captured.ranks),
         capture_seconds=captured.seconds,
@@ -89,7 +94,7 @@ def verify(
     return report
 
 
-def _confirmed(numeric: Callable[[], NumericResult], finding: Finding, elements: int) -> Finding:
+def confirmed(numeric: Callable[[], NumericResult], finding: Finding, elements: int) -> Finding:
     """Certify a discrepancy by running every rank and the reference on random weights.
 
     Structural faults (a partial sum used unreduced, pieces that overlap, a term counted twice)

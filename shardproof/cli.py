@@ -1,4 +1,5 @@
-"""Command line: `shardproof verify CASE.py [--world-size N] [--json PATH] [--preset NAME] [--train [--step]]`."""
+"""Command line: `shardproof verify CASE.py [--world-size N] [--json PATH] [--preset NAME] [--train [--step]]`
+and `shardproof verify-graphs --reference R --distributed D [--format hlo|fx] [--relations FILE] [--json PATH]`."""
 
 from __future__ import annotations
 
@@ -23,16 +24,31 @@ def main(argv: list[str] | None = None) -> int:
     verify_cmd.add_argument("--step", action="store_true",
                             help="with --train: also the parameters after one optimizer step")
     verify_cmd.add_argument("--quiet", action="store_true", help="no progress messages")
+    graphs_cmd = commands.add_parser(
+        "verify-graphs", help="prove graph dumps (XLA HLO text, FX readable dumps) of a distributed program equal the reference's"
+    )
+    graphs_cmd.add_argument("--reference", required=True, help="reference graph: a file or a directory")
+    graphs_cmd.add_argument("--distributed", required=True, help="distributed graphs: one SPMD file, or a directory with one file per rank")
+    graphs_cmd.add_argument("--format", choices=["hlo", "fx"], help="graph format (default: detected from the files)")
+    graphs_cmd.add_argument("--relations", metavar="FILE", help="JSON pinning some input relations by hand (see README)")
+    graphs_cmd.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
+    graphs_cmd.add_argument("--quiet", action="store_true", help="no progress messages")
     args = parser.parse_args(argv)
 
     warnings.filterwarnings("ignore")
     from shardproof.api import verify  # torch import is slow: after argument errors are reported
+    from shardproof.importers.verify import verify_graphs
     from shardproof.report.text import render
 
     progress = (lambda _: None) if args.quiet else (lambda msg: print(f"  … {msg}", file=sys.stderr, flush=True))
     try:
-        report = verify(args.case, world_size=args.world_size, preset=args.preset, train=args.train,
-                        step=args.step, progress=progress)
+        if args.command == "verify-graphs":
+            report = verify_graphs(
+                args.reference, args.distributed, format=args.format, relations=args.relations, progress=progress
+            )
+        else:
+            report = verify(args.case, world_size=args.world_size, preset=args.preset, train=args.train,
+                            step=args.step, progress=progress)
     except ShardproofError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -19,3 +19,11 @@ class UnsupportedOp(ShardproofError):
     def __init__(self, op: str, where: str = ""):
         self.op = op
         super().__init__(f"no rule for op `{op}`{' at ' + where if where else ''}")
+
+
+class GraphFileError(ShardproofError):
+    """A graph dump (HLO text, FX readable dump) that does not parse: says where and what was expected."""
+
+    def __init__(self, path: str, line: int, expected: str, found: str):
+        self.path, self.line = path, line
+        super().__init__(f"{path}:{line}: expected {expected}, found `{found.strip()[:60]}`")

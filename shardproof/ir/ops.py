@@ -64,6 +64,7 @@ _SPECS = [
     OpSpec("relu", "unary", _unary(torch.relu), "max(x, 0)"),
     OpSpec("silu", "unary", _unary(F.silu), "x*sigmoid(x)"),
     OpSpec("gelu", "unary", lambda xs, a: F.gelu(xs[0], approximate=a[0]), "GELU (attrs: approximation)"),
+    OpSpec("erf", "unary", _unary(torch.erf), "error function (in GELU's derivative)"),
     OpSpec("sigmoid", "unary", _unary(torch.sigmoid), "logistic"),
     OpSpec("tanh", "unary", _unary(torch.tanh), "tanh"),
     OpSpec("erf", "unary", _unary(torch.erf), "error function (exact GELU and its backward)"),

@@ -173,7 +173,26 @@ class Rules:
             whole = self.unslice(t, *hint)
             if whole is not None:
                 return whole, hint[0]
+            for relative in self._hints_in_reference_boxes(t):
+                whole = self.unslice(t, *relative)
+                if whole is not None:
+                    return whole, relative[0]
         return t, full_box(self.shape(t))
+
+    def _hints_in_reference_boxes(self, t: int) -> list[tuple[Box, tuple[int, ...]]]:
+        """(box, shape) of t's first sliced term inside each region of its root the reference
+        sliced out: a rank's rotate-half lin(X[h, :d], -X[h, d:]) is heads h of the reference's
+        lin(X[:, :d], -X[:, d:]), though no one box of X holds both halves."""
+        term = self.u[t]
+        first = next((a for a in term.args if self.op(a) == "slice"), None) if term.op == "lin" else None
+        if first is None:
+            return []
+        root, region = self.u[first].args[0], self.u[first].attrs[0]
+        return [
+            (tuple((lo - rl, hi - rl) for (rl, _), (lo, hi) in zip(ref_box, region)), box_shape(ref_box))
+            for ref_box in sorted(self.reference_boxes.get(root, ()))
+            if ref_box != region and all(rl <= lo and hi <= rh for (rl, rh), (lo, hi) in zip(ref_box, region))
+        ]
 
     def _region_hint(self, t: int) -> tuple[Box, tuple[int, ...]] | None:
         """(box, global shape) of the first slice at the top of `t`, through lin, piece, bcast."""
@@ -356,14 +375,9 @@ class Rules:
                 return moved
         root, region = (term.args[0], term.attrs[0]) if term.op == "slice" else self._cat_region(x) if term.op == "cat" else (x, None)
         if root != x:  # a region of a larger tensor (a cat may be one: a head range padded with zeros)
-            split = view_of_box(self.shape(root), region, shape, ones_split=True)
-            plain = view_of_box(self.shape(root), region, shape)
-            if split is not None and split != plain:
-                whole = self.view(root, split[0])
-                if self.in_reference(whole):
-                    return self.slice(whole, split[1])
-            if plain is not None:
-                return self.slice(self.view(root, plain[0]), plain[1])
+            found = self._view_region(root, region, shape)
+            if found is not None:
+                return found
         inserted = _inserted_ones(term.shape, shape)
         if inserted is not None:
             return self.bcast(x, shape, inserted)
@@ -379,6 +393,10 @@ class Rules:
             rows, inner = term.args
             lifted = self.view(rows, shape[:-1] + self.shape(rows)[-1:])
             return self.build("matmul", (lifted, inner), term.attrs, shape, term.dtype)
+        if term.op == "matmul" and len(term.shape) > 2 and len(shape) > 2 and shape[-2:] == term.shape[-2:]:
+            regrouped = self._view_matmul_batch(x, shape)
+            if regrouped is not None:
+                return regrouped
         return self.literal("view", (x,), (), shape, term.dtype)
 
     def _view_cat(self, x: int, shape: tuple[int, ...]) -> int | None:
@@ -395,6 +413,52 @@ class Rules:
             part_shape = tuple(self.shape(p)[dim] if d == out_dim else s for d, s in enumerate(shape))
             parts.append(self.view(p, part_shape))
         return self.cat(parts, out_dim)
+
+    def _view_matmul_batch(self, x: int, shape: tuple[int, ...]) -> int | None:
+        """A reshape of only the batch dims of a batched matmul is that reshape of both operands'
+        batch dims (each batch entry is its own product), so (b*heads, s, s) attention scores
+        viewed as (b, heads, s, s) meet the reference's per-head products."""
+        term = self.u[x]
+        batch = term.shape[:-2]
+        operands = []
+        for a in term.args:
+            a_shape = self.shape(a)
+            if a_shape[:-2] != batch:
+                return None  # an operand broadcast over the batch: not reshaped alike
+            operands.append(self.view(a, shape[:-2] + a_shape[-2:]))
+        return self.build("matmul", tuple(operands), term.attrs, shape, term.dtype)
+
+    def _view_region(self, root: int, region: Box, shape: tuple[int, ...]) -> int | None:
+        """view(root[region]) as a region of a view of root, if the normal form has one."""
+        split = view_of_box(self.shape(root), region, shape, ones_split=True)
+        plain = view_of_box(self.shape(root), region, shape)
+        if split is not None and split != plain and self.reference_size is not None:
+            whole = self.view(root, split[0])  # built in the reference run it would count as the reference's
+            if self.in_reference(whole):
+                return self.slice(whole, split[1])
+        if plain is not None:
+            return self.slice(self.view(root, plain[0]), plain[1])
+        return self._view_inner_slice(root, region, shape)
+
+    def _view_inner_slice(self, root: int, region: Box, shape: tuple[int, ...]) -> int | None:
+        """view(X[box]) where the box restricts a dim that the reshape merges under an outer one
+        (the v columns [64:96] of fused per-head qkv, merged with the heads): no box of a view of
+        X is that, so X sliced on those inner dims alone stays a tensor of its own, Y, and the
+        rest of the box (a rank's heads) is a box of view(Y). The reference slices the same Y."""
+        root_shape = self.shape(root)
+        groups = reshape_groups(box_shape(region), shape)
+        if groups is None:
+            return None
+        inner = {d for gi, _ in groups if len(gi) > 1 for d in gi[1:] if region[d] != (0, root_shape[d])}
+        if not inner:
+            return None
+        inner_box = tuple(region[d] if d in inner else (0, s) for d, s in enumerate(root_shape))
+        held = self.literal("slice", (root,), (inner_box,), box_shape(inner_box), self.u[root].dtype)
+        outer_box = tuple((0, hi - lo) if d in inner else (lo, hi) for d, (lo, hi) in enumerate(region))
+        if outer_box == full_box(self.shape(held)):
+            return self.literal("view", (held,), (), shape, self.u[root].dtype)
+        found = view_of_box(self.shape(held), outer_box, shape)
+        return None if found is None else self.slice(self.view(held, found[0]), found[1])
 
     def _view_permute(self, x: int, shape: tuple[int, ...]) -> int | None:
         """view(permute(Y, p)) as permute(view(permute(Y, r)), q): r makes each merged group of
@@ -836,6 +900,9 @@ def _bilinear(r: Rules, op: str, args, attrs, shape, dtype) -> int | None:
 
 
 def _mul(r: Rules, args, attrs, shape, dtype) -> int:
+    masked = _times_mask(r, args, shape, dtype)
+    if masked is not None:
+        return masked
     for i, a in enumerate(args):
         value = r.full_value(a)
         if _is_finite_number(value) and dtype in FLOAT_DTYPES:
@@ -1043,31 +1110,39 @@ def _matmul_slices(r: Rules, a: int, b: int, attrs, shape, dtype) -> int:
     batch_differs = box_a[:-2] != box_b[:-2] or r.shape(ra)[:-2] != r.shape(rb)[:-2]
     if len(shape) > 2 and len(r.shape(b)) > 2 and batch_differs:
         ra, box_a, rb, box_b = _align_batch(r, a, ra, box_a, b, rb, box_b)
-    sa, sb = r.shape(ra), r.shape(rb)
-    shared_batch = len(sb) > 2
-    if shared_batch and (len(sa) != len(sb) or sa[:-2] != sb[:-2] or box_a[:-2] != box_b[:-2]):
+    candidates = ([(ra, box_a, rb, box_b)] if _aligned(r, ra, box_a, rb, box_b) else []) + _aligned_regions(r, a, b)
+    if not candidates:
         return r.literal("matmul", (a, b), attrs, shape, dtype)
-    if sa[-1] != sb[-2] or box_a[-1] != box_b[-2]:
-        matched = _matching_contraction(r, a, ra, box_a, b, rb, box_b)
-        if matched is None:
-            return r.literal("matmul", (a, b), attrs, shape, dtype)
-        ra, box_a, rb, box_b = matched
-        sa, sb = r.shape(ra), r.shape(rb)
-    global_shape = sa[:-1] + sb[-1:]
-    core = r.build("matmul", (ra, rb), attrs, global_shape, dtype)
+    ra, box_a, rb, box_b = candidates[0]
+    core = r.build("matmul", (ra, rb), attrs, r.shape(ra)[:-1] + r.shape(rb)[-1:], dtype)
+    for other in candidates[1:] if r.reference_size is not None and not r.in_reference(core) else ():
+        product = r.build("matmul", (other[0], other[2]), attrs, r.shape(other[0])[:-1] + r.shape(other[2])[-1:], dtype)
+        if r.in_reference(product):  # the product the reference computed, e.g. of its v, not of all of qkv
+            (ra, box_a, rb, box_b), core = other, product
+            break
+    sa = r.shape(ra)
     out = r.slice(core, box_a[:-1] + box_b[-1:])
     lo, hi = box_a[-1]
     return r.piece(out, ("matmul", core), lo, hi, sa[-1])
 
 
-def _matching_contraction(r: Rules, a: int, ra: int, box_a: Box, b: int, rb: int, box_b: Box):
-    """Roots of both operands that agree on the contracted dim, among the regions the reference
-    sliced out (rank rows of the gate half of a fused gate_up weight against the reference's gate)."""
-    for root_a, region_a in r.regions(a):
-        for root_b, region_b in r.regions(b):
-            if r.shape(root_a)[-1] == r.shape(root_b)[-2] and region_a[-1] == region_b[-2]:
-                return root_a, region_a, root_b, region_b
-    return None
+def _aligned(r: Rules, ra: int, box_a: Box, rb: int, box_b: Box) -> bool:
+    """Both regions share the batch and contract the same range of the same length."""
+    sa, sb = r.shape(ra), r.shape(rb)
+    if len(sb) > 2 and (len(sa) != len(sb) or sa[:-2] != sb[:-2] or box_a[:-2] != box_b[:-2]):
+        return False
+    return sa[-1] == sb[-2] and box_a[-1] == box_b[-2]
+
+
+def _aligned_regions(r: Rules, a: int, b: int) -> list[tuple[int, Box, int, Box]]:
+    """Regions of the operands that line up, also inside tensors the reference sliced out: a
+    rank's heads of q and of k, each a region of the reference's q and k from one fused qkv."""
+    return [
+        (ra, box_a, rb, box_b)
+        for ra, box_a in r.regions(a)
+        for rb, box_b in r.regions(b)
+        if (ra, rb) != (a, b) and _aligned(r, ra, box_a, rb, box_b)
+    ]
 
 
 def _align_batch(r: Rules, a: int, ra: int, box_a: Box, b: int, rb: int, box_b: Box) -> tuple[int, Box, int, Box]:
@@ -1099,6 +1174,10 @@ def _embedding(r: Rules, op: str, args, attrs, shape, dtype) -> int:
 
 def _where(r: Rules, op: str, args, attrs, shape, dtype) -> int:
     cond, when_true, when_false = args
+    known = r.full_value(cond)
+    if isinstance(known, bool):
+        return when_true if known else when_false
+    when_true, when_false = _assuming(r, when_true, cond, True), _assuming(r, when_false, cond, False)
     if when_true == when_false:
         return when_true
     chosen = r.full_value(cond)
@@ -1107,7 +1186,7 @@ def _where(r: Rules, op: str, args, attrs, shape, dtype) -> int:
     masked = _masked_lookup(r, cond, when_true, when_false)
     if masked is not None:
         return masked
-    return _elementwise(r, op, args, attrs, shape, dtype)
+    return _elementwise(r, op, (cond, when_true, when_false), attrs, shape, dtype)
 
 
 def _gather(r: Rules, op: str, args, attrs, shape, dtype) -> int:
@@ -1263,12 +1342,65 @@ def _keep_literal(r: Rules, op: str, args, attrs, shape, dtype) -> int:
     return r.literal(op, args, attrs, shape, dtype)
 
 
+# --- boolean masks ------------------------------------------------------------------------------
+def _times_mask(r: Rules, args: tuple[int, int], shape, dtype) -> int | None:
+    """x * mask (a bool mask times numbers) is where(not mask, 0, x): the masked-out form the
+    vocab-parallel lookup rule reads, as vLLM spells its shifted ids `mask * (ids - offset)`."""
+    for i, a in enumerate(args):
+        if r.u[a].dtype == "bool" and dtype != "bool":
+            other = args[1 - i]
+            zero = r.const(("full", 0), shape, dtype)
+            return r.build("where", (r.build("logical_not", (a,), (), shape, "bool"), zero, other), (), shape, dtype)
+    return None
+
+
+def _assuming(r: Rules, t: int, cond: int, value: bool) -> int:
+    """`t` where it is read, when `cond` has `value` there: where(cond, a, b) inside t (through
+    sums) is a or b. So ids - where(outside, 0, start) in the inside branch is ids - start."""
+    term = r.u[t]
+    if term.op == "where" and term.args[0] == cond:
+        return term.args[1] if value else term.args[2]
+    if term.op == "lin" and any(r.op(a) == "where" for a in term.args):
+        return r.lin([(_assuming(r, a, cond, value), c) for a, c in zip(term.args, term.attrs[0])])
+    return t
+
+
+def _logical(r: Rules, op: str, args, attrs, shape, dtype) -> int:
+    """and/or/not with a known operand fold; not(not m) is m; `x >= a and x < b` with a >= b is
+    the empty range (vLLM's added-vocabulary mask when nothing was added)."""
+    if op == "logical_not":
+        inner = r.u[args[0]]
+        if inner.op == "logical_not":
+            return inner.args[0]
+        known = r.full_value(args[0])
+        if isinstance(known, bool):
+            return r.const(("full", not known), shape, "bool")
+        return _elementwise(r, op, args, attrs, shape, dtype)
+    absorbing = op == "logical_or"  # or(m, True) is True; and(m, False) is False
+    for i, a in enumerate(args):
+        known = r.full_value(a)
+        if isinstance(known, bool):
+            return r.const(("full", absorbing), shape, "bool") if known == absorbing else args[1 - i]
+    if op == "logical_and" and _empty_range(r, args):
+        return r.const(("full", False), shape, "bool")
+    return _elementwise(r, op, args, attrs, shape, dtype)
+
+
+def _empty_range(r: Rules, args: tuple[int, ...]) -> bool:
+    bounds = [_compare_const(r, a) for a in args]
+    if None in bounds or bounds[0][0] != bounds[1][0]:
+        return False
+    limits = {op: value for _, op, value in bounds}
+    return "ge" in limits and "lt" in limits and limits["ge"] >= limits["lt"]
+
+
 _BY_OP: dict[str, Callable[..., int]] = {
     "add": _add,
     "mul": _mul,
     "div": _div,
     "log": _log,
     "log_softmax": _log_softmax,
+    **{op: lambda r, args, attrs, shape, dtype, op=op: _logical(r, op, args, attrs, shape, dtype) for op in ("logical_and", "logical_or", "logical_not")},
 }
 _BY_KIND: dict[str, Callable[..., int]] = {
     "unary": _unary,

@@ -37,6 +37,8 @@ class Report:
     capture_seconds: float = 0.0
     terms: int = 0
     notes: list[str] = field(default_factory=list)  # what exactly was proven (e.g. a loss as a mean over ranks)
+    inputs: list[str] = field(default_factory=list)  # imported graphs: the input relations assumed
+    outputs_compared: str | None = None  # imported graphs: how many outputs were compared
 
     @property
     def exit_code(self) -> int:
@@ -50,7 +52,7 @@ class Report:
                 "reference": [s.to_json() for s in self.reference],
                 "distributed": [s.to_json() for s in self.distributed],
             }
-        return {
+        data = {
             "verdict": self.verdict,
             "world_size": self.world_size,
             "seconds": round(self.seconds, 3),
@@ -60,3 +62,7 @@ class Report:
             "unknown": self.unknown,
             "notes": self.notes,
         }
+        if self.inputs:
+            data["inputs"] = self.inputs
+            data["outputs_compared"] = self.outputs_compared
+        return data

@@ -1,0 +1,206 @@
+"""Import a PyTorch FX readable dump (`print_readable`, TORCH_COMPILE_DEBUG, AOTAutograd graphs).
+
+The dump is Python source: `name: "f32[8, 16]" = torch.ops.aten.mm.default(a, b)` per node, with
+`# File: path:line in fn, code: text` comments giving the source line of the nodes below them.
+It is parsed with `ast` (never executed) back into a torch.fx graph whose nodes carry meta
+tensors of the annotated shapes, so the aten lowering table of `ir/from_fx.py` applies unchanged;
+fused kernels that only dumps contain (apex, vLLM, ...) are lowered by `fx_kernels.py`.
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+import re
+import types
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from shardproof.errors import GraphFileError
+from shardproof.importers.fx_kernels import DumpLowerer, DumpOp
+from shardproof.importers.graph_inputs import ImportedGraph
+from shardproof.ir.graph import Location
+
+DTYPES = {
+    "f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32, "f64": torch.float64, "b8": torch.bool,
+    "i8": torch.int8, "u8": torch.uint8, "i16": torch.int16, "i32": torch.int32, "i64": torch.int64,
+}  # fmt: skip
+_FILE = re.compile(r"#\s*File: (?P<file>.+?):(?P<line>\d+) in (?P<fn>[^,]+), code: (?P<code>.*)$")
+_ANNOTATION = re.compile(r"^(?P<dtype>[a-z]+\d*)\[(?P<dims>[\d, ]*)\]$")
+
+
+def load_fx(path: str, rank: int, world_size: int) -> ImportedGraph:
+    with open(path, encoding="utf-8") as handle:
+        source = handle.read()
+    graph, names = _Parser(source, path).parse()
+    return DumpLowerer(graph, names, path, rank, world_size).run()
+
+
+class _Parser:
+    """Builds the fx.Graph statement by statement; every failure names the file and line."""
+
+    def __init__(self, source: str, path: str):
+        self.source, self.path = source, path
+        self.graph = fx.Graph()
+        self.env: dict[str, Any] = {}
+        self.declared: dict[str, torch.Tensor] = {}  # pytree placeholders declared as `name: "type"`
+        self.locations = _locations(source)
+        self.output_names: list[str] = []
+
+    def fail(self, node: ast.AST, expected: str) -> GraphFileError:
+        line = getattr(node, "lineno", 1)
+        found = self.source.splitlines()[line - 1] if line <= len(self.source.splitlines()) else ""
+        return GraphFileError(self.path, line, expected, found)
+
+    def parse(self) -> tuple[fx.Graph, list[str]]:
+        # print_readable names the class after the module, which may be no identifier (`<lambda>`)
+        source = re.sub(r"^class [^(\n]+\(", "class _(", self.source, flags=re.MULTILINE)
+        try:
+            tree = ast.parse(source, self.path)
+        except SyntaxError as err:
+            raise GraphFileError(self.path, err.lineno or 1, f"Python syntax ({err.msg})", err.text or "") from None
+        forward = next((n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "forward"), None)
+        if forward is None:
+            raise GraphFileError(self.path, 1, "a `def forward(self, ...)` holding the graph", "none")
+        for arg in forward.args.args[1:]:
+            if arg.annotation is not None:
+                self.placeholder(arg.arg, self.meta(arg.annotation, arg))
+        for statement in forward.body:
+            self.statement(statement)
+        return self.graph, self.output_names
+
+    def placeholder(self, name: str, val: torch.Tensor) -> None:
+        node = self.graph.placeholder(name)
+        node.meta.update(val=val, dump_name=name)
+        self.env[name] = node
+
+    def meta(self, annotation: ast.AST, where: ast.AST) -> torch.Tensor:
+        text = annotation.value if isinstance(annotation, ast.Constant) else None
+        match = _ANNOTATION.match(text.strip()) if isinstance(text, str) else None
+        if match is None or match["dtype"] not in DTYPES:
+            raise self.fail(where, 'a tensor annotation like "f32[8, 16]"')
+        dims = tuple(int(d) for d in match["dims"].split(",") if d.strip())
+        return torch.empty(dims, dtype=DTYPES[match["dtype"]], device="meta")
+
+    def statement(self, st: ast.stmt) -> None:
+        if isinstance(st, ast.AnnAssign) and st.value is None and isinstance(st.target, ast.Name):
+            self.declared[st.target.id] = self.meta(st.annotation, st)
+        elif isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name):
+            self.assign(st.target.id, st.value, self.meta(st.annotation, st), st)
+        elif isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Tuple):
+            self.flattened_inputs(st)
+        elif isinstance(st, ast.Assign) and all(isinstance(t, ast.Name) for t in st.targets):
+            if not (isinstance(st.value, ast.Constant) and st.value.value is None):  # `a = b = None`: frees
+                self.assign(st.targets[0].id, st.value, None, st)
+        elif isinstance(st, ast.Return):
+            self.output(st)
+        elif not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant)):
+            raise self.fail(st, "an assignment `name = torch.ops...(...)` or `return [...]`")
+
+    def flattened_inputs(self, st: ast.Assign) -> None:
+        """`primals_1, primals_2, ... = fx_pytree.tree_flatten_spec([primals, tangents], ...)`."""
+        for element in st.targets[0].elts:
+            if not isinstance(element, ast.Name) or element.id not in self.declared:
+                raise self.fail(st, "names declared with a type annotation before they are unpacked")
+            self.placeholder(element.id, self.declared[element.id])
+
+    def assign(self, name: str, value: ast.expr, val: torch.Tensor | None, st: ast.stmt) -> None:
+        if isinstance(value, ast.Subscript):
+            args = (self.expr(value.value), self.expr(value.slice))
+            node = self.graph.create_node("call_function", operator.getitem, args, {}, name=name)
+        elif isinstance(value, ast.Attribute) and isinstance(value.value, ast.Name) and value.value.id == "self":
+            node = self.graph.create_node("get_attr", value.attr, name=name)
+        elif isinstance(value, ast.Call):
+            target = self.target(value.func, st)
+            args = tuple(self.expr(a) for a in value.args)
+            kwargs = {k.arg: self.expr(k.value) for k in value.keywords}
+            node = self.graph.create_node("call_function", target, args, kwargs, name=name)
+        elif isinstance(value, ast.Name) and value.id in self.env:
+            self.env[name] = self.env[value.id]
+            return
+        else:
+            raise self.fail(st, "a call of a torch.ops operator, an item `x[0]`, or `self.<constant>`")
+        node.meta.update(dump_name=name, location=self.locations.get(st.lineno))
+        if val is not None:
+            node.meta["val"] = val
+        self.env[name] = node
+
+    def target(self, func: ast.expr, st: ast.stmt) -> Any:
+        dotted = _dotted(func)
+        if dotted is None or not dotted.startswith("torch.ops."):
+            raise self.fail(st, "a call of a `torch.ops.<namespace>.<op>.<overload>` operator")
+        qualified = dotted.removeprefix("torch.ops.")
+        try:
+            found: Any = torch.ops
+            for part in qualified.split("."):
+                found = getattr(found, part)
+            return found if isinstance(found, torch._ops.OpOverload) else DumpOp(qualified)
+        except (AttributeError, RuntimeError):
+            return DumpOp(qualified)  # a kernel from a library not loaded here (apex, vLLM, ...)
+
+    def expr(self, node: ast.expr) -> Any:
+        if isinstance(node, ast.Constant):
+            return node.value
+        if isinstance(node, (ast.List, ast.Tuple)):
+            items = [self.expr(e) for e in node.elts]
+            return items if isinstance(node, ast.List) else tuple(items)
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -self.expr(node.operand)
+        if isinstance(node, ast.Name):
+            if node.id in self.env:
+                return self.env[node.id]
+            if node.id in ("inf", "nan"):
+                return float(node.id)
+            raise self.fail(node, f"a name defined earlier in the graph (`{node.id}` is not)")
+        dotted = _dotted(node.func if isinstance(node, ast.Call) else node)
+        if isinstance(node, ast.Call) and dotted == "device":
+            return "cpu"  # devices do not change what is computed
+        if dotted is not None and dotted.startswith("torch.ops."):
+            return self.target(node, node)
+        if dotted is not None and dotted.startswith("torch."):
+            return getattr(torch, dotted.removeprefix("torch."), dotted)  # dtypes, layouts, memory formats
+        raise self.fail(node, "a literal, a list, a graph value or a torch constant")
+
+    def output(self, st: ast.Return) -> None:
+        value = st.value
+        if isinstance(value, ast.Call) and value.args:  # pytree.tree_unflatten([...], self._out_spec)
+            value = value.args[0]
+        if isinstance(value, ast.Name):
+            value = ast.List([value], ast.Load())
+        if not isinstance(value, (ast.List, ast.Tuple)):
+            raise self.fail(st, "`return [outputs]`")
+        kept = [e for e in value.elts if not (isinstance(e, ast.Constant) and e.value is None)]
+        self.output_names = [e.id if isinstance(e, ast.Name) else "" for e in kept]
+        self.graph.output([self.expr(e) for e in kept])
+
+
+def _dotted(node: ast.AST) -> str | None:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([node.id, *reversed(parts)])
+
+
+def _locations(source: str) -> dict[int, Location | None]:
+    """Line number -> the `# File:` comment in force there (comments set it for the lines below)."""
+    found: dict[int, Location | None] = {}
+    current = None
+    for number, line in enumerate(source.splitlines(), start=1):
+        stripped = line.strip()
+        match = _FILE.search(stripped)
+        if match is not None:
+            current = Location(match["file"], int(match["line"]), match["code"].strip())
+        elif stripped.startswith("# No stacktrace"):
+            current = None
+        found[number] = current
+    return found
+
+
+def as_namespace(graph: fx.Graph) -> types.SimpleNamespace:
+    """What the aten Lowerer reads of a GraphModule: its graph."""
+    return types.SimpleNamespace(graph=graph)

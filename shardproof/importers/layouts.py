@@ -1,0 +1,61 @@
+"""How one rank's input is cut from a reference input, and the IR that cuts it.
+
+A layout is `replicate` or `shard`: along one dim, the reference tensor is split into blocks
+(one block = a plain chunk; several = a fused weight such as QKV with GQA, or gate+up), and
+each block is chunked over the ranks, rank r keeping chunk r of every block, concatenated in
+block order. Micro-batches (gradient accumulation) are more chunks: with m micro-batches per
+rank, micro-batch i of rank r is chunk r*m + i.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardproof.ir.build import GraphBuilder
+
+
+@dataclass(frozen=True)
+class Layout:
+    kind: str  # "replicate" or "shard"
+    dim: int = 0
+    blocks: tuple[int, ...] = ()  # block boundaries in the reference dim, from 0 to its size
+    micro: tuple[int, int] = (0, 1)  # (index, count) of micro-batches per rank
+
+    def describe(self) -> str:
+        if self.kind == "replicate":
+            return "replicated"
+        what = f"sharded on dim {self.dim}"
+        if len(self.blocks) > 2:
+            what += f" in blocks {list(self.blocks)} (each block split over ranks)"
+        if self.micro[1] > 1:
+            what += f", micro-batch {self.micro[0]} of {self.micro[1]}"
+        return what
+
+    def regions(self, rank: int, world_size: int) -> list[tuple[int, int]]:
+        """The [start, end) ranges of the reference dim that this rank's tensor holds, in order."""
+        index, count = self.micro
+        parts = world_size * count
+        out = []
+        for lo, hi in zip(self.blocks, self.blocks[1:]):
+            size = (hi - lo) // parts
+            start = lo + (rank * count + index) * size
+            out.append((start, start + size))
+        return out
+
+    def fits(self, full: tuple[int, ...], local: tuple[int, ...], world_size: int) -> bool:
+        if self.kind == "replicate":
+            return full == local
+        parts = world_size * self.micro[1]
+        if len(full) != len(local) or self.blocks[0] != 0 or self.blocks[-1] != full[self.dim]:
+            return False
+        blocks_fit = all((hi - lo) % parts == 0 and hi > lo for lo, hi in zip(self.blocks, self.blocks[1:]))
+        others = all(f == l for d, (f, l) in enumerate(zip(full, local)) if d != self.dim)
+        return blocks_fit and others and full[self.dim] == local[self.dim] * parts
+
+
+def cut(b: GraphBuilder, value: int, layout: Layout, rank: int, world_size: int) -> int:
+    """Emit the ops that take this rank's part of `value`."""
+    if layout.kind == "replicate":
+        return value
+    pieces = [b.slice(value, layout.dim, lo, hi) for lo, hi in layout.regions(rank, world_size)]
+    return b.cat(pieces, layout.dim)

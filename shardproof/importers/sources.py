@@ -1,0 +1,100 @@
+"""Find the graph files of one side (reference or distributed) and import them, one graph per rank.
+
+A side is a file or a directory. HLO: one module (an SPMD program run by every rank, its world
+size read from its replica groups) or one file per rank. FX readable dumps: one file per rank,
+named like `fw.g0.r1.py` (graph kind, graph id, rank); when a directory holds several kinds, the
+joint forward+backward graph (`both`) is the one that covers the others.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from shardproof.errors import CaseError
+from shardproof.importers.graph_inputs import ImportedGraph
+
+FORMATS = ("hlo", "fx")
+_RANK = re.compile(r"^(?P<group>.*?)[._-]?r(?:ank)?(?P<rank>\d+)(\.hlo)?(\.txt|\.py)?$")
+
+
+@dataclass
+class Program:
+    """One side of the comparison: its graphs, one per rank."""
+
+    path: str
+    format: str
+    graphs: list[ImportedGraph]
+    spmd: Callable[[int], list[ImportedGraph]] | None = None  # an SPMD module lowered for n ranks
+
+    @property
+    def world_size(self) -> int:
+        return len(self.graphs)
+
+    def on_ranks(self, world_size: int) -> None:
+        """Run an SPMD module without collectives (whose rank count it cannot tell) on n ranks."""
+        if self.spmd is None:
+            raise CaseError(f"{self.path}: {self.world_size} rank file(s), but the shapes say {world_size} ranks")
+        self.graphs = self.spmd(world_size)
+
+
+def load_program(path: str | Path, format: str | None, side: str) -> Program:
+    files = _files(Path(path), side)
+    format = format or _detect(files[0])
+    if format not in FORMATS:
+        raise CaseError(f"unknown graph format `{format}`: use one of {', '.join(FORMATS)}")
+    if format == "hlo":
+        from shardproof.importers.hlo import load_hlo, lower_hlo, world_size_of
+
+        modules = [load_hlo(str(f)) for f in files]
+        if len(modules) == 1:
+            module = modules[0]
+
+            def spmd(size: int) -> list[ImportedGraph]:
+                return [lower_hlo(module, r, size) for r in range(size)]
+
+            return Program(str(path), format, spmd(world_size_of(module) or 1), spmd)
+        return Program(str(path), format, [lower_hlo(m, r, len(modules)) for r, m in enumerate(modules)])
+    from shardproof.importers.fx_dump import load_fx
+
+    return Program(str(path), format, [load_fx(str(f), r, len(files)) for r, f in enumerate(files)])
+
+
+def _files(path: Path, side: str) -> list[Path]:
+    """The graph files of a side in rank order."""
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise CaseError(f"{side} graph not found: {path}")
+    files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".hlo", ".txt", ".py", ".pbtxt"))
+    if not files:
+        raise CaseError(f"{path}: no graph files (*.hlo, *.txt, *.py) in the {side} directory")
+    groups: dict[str, list[tuple[int, Path]]] = {}
+    for f in files:
+        match = _RANK.match(f.name)
+        group, rank = (match["group"], int(match["rank"])) if match else (f.stem, 0)
+        groups.setdefault(group, []).append((rank, f))
+    if len(groups) > 1:
+        joint = [g for g in groups if g.split(".")[0] == "both"]
+        if len(joint) != 1:
+            raise CaseError(
+                f"{path}: several graphs ({', '.join(sorted(groups))}); pass the {side} as one file, "
+                "or a directory holding one graph (one file per rank)"
+            )
+        groups = {joint[0]: groups[joint[0]]}
+    ranked = sorted(next(iter(groups.values())))
+    if [r for r, _ in ranked] != list(range(len(ranked))):
+        raise CaseError(f"{path}: rank files {[f.name for _, f in ranked]} are not ranks 0..{len(ranked) - 1}")
+    return [f for _, f in ranked]
+
+
+def _detect(path: Path) -> str:
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        head = handle.read(4096)
+    if re.search(r"^\s*HloModule\b", head, re.MULTILINE):
+        return "hlo"
+    if re.search(r"def forward\(|torch\.ops\.", head) or path.suffix == ".py":
+        return "fx"
+    raise CaseError(f"{path}: not an HLO text dump nor an FX readable dump; say which with --format hlo|fx")

@@ -1,0 +1,155 @@
+"""`shardproof.verify_graphs`: import two programs' graph dumps, relate their inputs, prove, report.
+
+The input layouts are inferred (`relate.py`); the proof decides among the candidates: the most
+plausible assignment is proven first, and if it fails, each input's other candidates are tried
+one at a time. The report states the layouts it assumed, because an imported graph does not
+contain the checkpoint loader: equivalence holds for inputs cut that way.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+from shardproof.api import confirmed, proof_report
+from shardproof.capture.torch_capture import Captured
+from shardproof.case import Output
+from shardproof.errors import CaseError, UnsupportedOp
+from shardproof.importers.graph_inputs import ImportedGraph
+from shardproof.importers.layouts import Layout
+from shardproof.importers.numeric import run_graphs
+from shardproof.importers.relate import Pairing, implied_world_size, pair_inputs, pin, rank_graph
+from shardproof.importers.sources import Program, load_program
+from shardproof.ir.graph import Graph
+from shardproof.prove import Proof, prove
+from shardproof.steps import Check
+from shardproof.report.model import Report
+
+MAX_ATTEMPTS = 12  # proofs tried over candidate layouts before reporting the most plausible one
+
+
+@dataclass
+class ImportedPair:
+    """Both programs imported, their inputs paired with candidate layouts, outputs chosen."""
+
+    reference: Program
+    distributed: Program
+    pairs: list[Pairing]
+    compared: list[int]  # indices of the reference outputs compared
+    checks: list[Check]  # one per compared output, over the restricted outputs
+    seconds: float
+
+    def captured(self, layouts: list[Layout]) -> Captured:
+        """Reference and rank graphs over the same leaves, with these input layouts."""
+        n = self.distributed.world_size
+        ranks = [_restricted(rank_graph(g, self.pairs, layouts, r, n), self.compared) for r, g in enumerate(self.distributed.graphs)]
+        return Captured(_restricted(self.reference.graphs[0].graph, self.compared), ranks, self.checks, self.seconds)
+
+
+def import_pair(
+    reference: str | Path, distributed: str | Path, format: str | None = None, relations: str | Path | None = None
+) -> ImportedPair:
+    start = time.perf_counter()
+    ref = load_program(reference, format, "reference")
+    dist = load_program(distributed, format or ref.format, "distributed")
+    if ref.world_size != 1:
+        raise CaseError(f"{reference}: the reference must run on one device, but its graph spans {ref.world_size} ranks")
+    implied = implied_world_size(ref.graphs[0], dist.graphs[0])
+    if dist.world_size == 1 and implied > 1:
+        dist.on_ranks(implied)
+    pairs = pair_inputs(ref.graphs[0], dist.graphs[0], dist.world_size)
+    if relations is not None:
+        pin(pairs, ref.graphs[0], relations)
+    compared, checks = _outputs(ref.graphs[0], dist.graphs[0], dist.world_size)
+    return ImportedPair(ref, dist, pairs, compared, checks, time.perf_counter() - start)
+
+
+def verify_graphs(
+    reference: str | Path,
+    distributed: str | Path,
+    *,
+    format: str | None = None,
+    relations: str | Path | None = None,
+    progress: Callable[[str], None] = lambda _: None,
+) -> Report:
+    """Prove the distributed graphs compute what the reference graph does, or say where not."""
+    start = time.perf_counter()
+    progress("importing")
+    try:
+        pair = import_pair(reference, distributed, format, relations)
+    except UnsupportedOp as err:
+        return Report("unknown", 0, time.perf_counter() - start, 0, 0, str(err), unknown={"op": err.op, "reason": str(err)})
+    first: tuple[Proof, Captured, list[Layout]] | None = None
+    for attempt, choice in enumerate(_assignments(pair.pairs)):
+        progress("proving" if attempt == 0 else f"proving with other input layouts (attempt {attempt + 1})")
+        captured = pair.captured(choice)
+        proof = prove(captured)
+        if first is None or proof.verdict == "equivalent":
+            first = (proof, captured, choice)
+        if proof.verdict == "equivalent":
+            break
+    proof, captured, choice = first
+    if proof.verdict == "discrepancy":
+        progress("confirming the discrepancy on random inputs")
+        numbers = lambda: run_graphs(captured.reference, captured.ranks, pair.checks)  # noqa: E731
+        proof.finding = confirmed(numbers, proof.finding, _elements(captured.reference))
+    report = proof_report(proof, captured, pair.distributed.world_size, time.perf_counter() - start)
+    report.capture_seconds = pair.seconds
+    reference_graph = pair.reference.graphs[0]
+    report.inputs = [p.describe(layout, reference_graph) for p, layout in zip(pair.pairs, choice)]
+    report.outputs_compared = f"{len(pair.compared)} of {len(reference_graph.graph.outputs)}"
+    return report
+
+
+def _assignments(pairs: list[Pairing]):
+    """The first-ranked layout for every input, then each alternative of one input at a time."""
+    first = [p.candidates[0] for p in pairs]
+    yield first
+    tried = 1
+    for i, pair in enumerate(pairs):
+        for alternative in pair.candidates[1:]:
+            if tried >= MAX_ATTEMPTS:
+                return
+            tried += 1
+            yield first[:i] + [alternative] + first[i + 1 :]
+
+
+def _outputs(ref: ImportedGraph, dist: ImportedGraph, n: int) -> tuple[list[int], list[Check]]:
+    """Which outputs to compare and how: all, position by position, when both return as many;
+    else the leading outputs both name alike (an AOTAutograd forward returns the user's outputs
+    first, then the tensors it saves for backward, which differ between the programs)."""
+    ref_out, dist_out = ref.graph.outputs, dist.graph.outputs
+    if len(ref_out) == len(dist_out):
+        indices = list(range(len(ref_out)))
+    else:
+        indices = []
+        for i, (a, b) in enumerate(zip(ref.output_names, dist.output_names)):
+            if a != b:
+                break
+            indices.append(i)
+    if not indices:
+        raise CaseError(f"{dist.path}: no outputs to compare with the reference's ({len(ref_out)} vs {len(dist_out)})")
+    checks = []
+    for position, i in enumerate(indices):
+        full, local = ref.graph[ref_out[i]].shape, dist.graph[dist_out[i]].shape
+        dims = [d for d, (f, l) in enumerate(zip(full, local)) if f != l]
+        if full == local:
+            layout: Output = ("replicate",)
+        elif len(full) == len(local) and len(dims) == 1 and full[dims[0]] == local[dims[0]] * n:
+            layout = ("shard", dims[0])
+        else:
+            raise CaseError(f"{dist.path}: output {i} {list(local)} is no replica or shard of the reference's {list(full)}")
+        name = ref.output_names[i] if i < len(ref.output_names) else ""
+        checks.append(Check(f"output {i}" + (f" ({name})" if name else ""), position, position, layout))
+    return indices, checks
+
+
+def _restricted(graph: Graph, outputs: list[int]) -> Graph:
+    return Graph(graph.nodes, [graph.outputs[i] for i in outputs], graph.rank)
+
+
+def _elements(graph: Graph) -> int:
+    return sum(math.prod(n.shape) for n in graph.nodes)

@@ -1,0 +1,72 @@
+"""The HLO text parser: instructions, types, raw attributes, and errors that say where and what."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardproof.errors import GraphFileError
+from shardproof.importers.hlo_text import groups, int_list, parse_hlo, slice_ranges, unquote
+
+MODULE = """HloModule tiny, entry_computation_layout={(f32[2,3]{1,0})->(f32[3]{0}, f32[2,3]{1,0})}
+
+%sum (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %c = f32[] add(f32[] %a, f32[] %b)
+}
+
+ENTRY %main (p0: f32[2,3]) -> (f32[3], f32[2,3]) {
+  %p0 = f32[2,3]{1,0} parameter(0), metadata={op_type="x" source_file="a, b {c}.py" source_line=7}
+  %zero = f32[] constant(0)
+  %r = f32[3]{0} reduce(%p0, %zero), dimensions={0}, to_apply=%sum
+  ROOT %t = (f32[3]{0}, f32[2,3]{1,0}) tuple(%r, %p0)
+}
+"""
+
+
+def test_parses_computations_types_operands_and_raw_attributes() -> None:
+    module = parse_hlo(MODULE, "tiny.hlo")
+    assert module.entry == "main" and set(module.computations) == {"sum", "main"}
+    assert module.computations["sum"].root.opcode == "add"
+    assert module.computations["sum"].root.operands == ["a", "b"]  # typed operands keep their names
+    entry = module.entry_computation
+    p0, zero, r, t = entry.instructions
+    assert (p0.type.dtype, p0.type.dims, p0.literal) == ("float32", (2, 3), "0")
+    assert 'source_line=7' in p0.attrs["metadata"]  # commas and braces inside strings do not split
+    assert zero.literal == "0" and r.attrs == {"dimensions": "{0}", "to_apply": "%sum"}
+    assert t.root and t.type.dtype == "tuple" and [e.dims for e in t.type.elements] == [(3,), (2, 3)]
+    assert entry.root is t and r.line == 12
+
+
+def test_attribute_readers() -> None:
+    assert int_list("{2,0,1}") == (2, 0, 1) and int_list("{}") == ()
+    assert groups("{{0,1},{2,3}}") == [(0, 1), (2, 3)] and groups("{}") == []
+    assert slice_ranges("{[0:256], [4:8:2]}") == [(0, 256, 1), (4, 8, 2)]
+    assert unquote(r'"a\nb \'c\'"') == "a\nb 'c'"
+
+
+@pytest.mark.parametrize(
+    "line, expected",
+    [
+        ("  %x = f32[2] add(%a, %b", "a closing `)`"),
+        ("  %x = q32[2] add(%a, %b)", "an element type"),
+        ("  %x f32[2] add(%a, %b)", "`=` after the instruction name"),
+        ("  %x = f32[2] add(%a, %b) junk", "`, key=value` or the end of the instruction"),
+    ],
+)
+def test_malformed_line_names_file_line_and_expectation(line: str, expected: str) -> None:
+    text = MODULE.replace("  %zero = f32[] constant(0)", line)
+    with pytest.raises(GraphFileError) as err:
+        parse_hlo(text, "bad.hlo")
+    assert err.value.path == "bad.hlo" and err.value.line == 11
+    assert str(err.value).startswith("bad.hlo:11: expected " + expected)
+
+
+def test_not_an_hlo_module() -> None:
+    with pytest.raises(GraphFileError, match="expected an `HloModule name` line"):
+        parse_hlo("%x = f32[] constant(0)\n", "x.hlo")
+
+
+def test_unclosed_computation() -> None:
+    with pytest.raises(GraphFileError, match="closing computation main"):
+        parse_hlo(MODULE.rstrip().rstrip("}"), "x.hlo")

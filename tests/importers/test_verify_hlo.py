@@ -1,0 +1,136 @@
+"""verify-graphs on HLO: small hand-written pairs run numerically, and the real Neuron Llama dumps."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from shardproof.cli import main
+from shardproof.importers.numeric import run_graphs
+from shardproof.importers.verify import import_pair, verify_graphs
+
+ENTANGLE = Path(__file__).parents[2] / ".." / "shared" / "data" / "entangle"
+LLAMA = ENTANGLE / "aws_llama"
+needs_llama = pytest.mark.skipif(not LLAMA.is_dir(), reason="../shared/data/entangle/aws_llama (Neuron HLO dumps) not present")
+
+ADD = """
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %c = f32[] add(%a, %b)
+}
+"""
+
+
+def mlp(ffn: int, reduce: bool) -> str:
+    """RMS norm, fused gate+up projection split in two, SwiGLU, down projection; on TP ranks the
+    down projection's partial sums are all-reduced (unless `reduce` is False: the bug)."""
+    out = "%down_out"
+    tail = []
+    if reduce:
+        tail = ["  %summed = f32[3,4] all-reduce(%down_out), replica_groups={{0,1}}, to_apply=%add"]
+        out = "%summed"
+    return "\n".join(
+        [
+            "HloModule mlp",
+            ADD,
+            f"ENTRY %main (x: f32[3,4], norm: f32[4], gate_up: f32[4,{2 * ffn}], down: f32[{ffn},4]) -> (f32[3,4]) {{",
+            "  %x = f32[3,4] parameter(0)",
+            "  %norm = f32[4] parameter(1)",
+            "  %eps = f32[] constant(1e-05)",
+            '  %normed = f32[3,4] custom-call(%x, %norm, %eps), custom_call_target="AwsNeuronRmsNorm", backend_config="1"',
+            f"  %gate_up = f32[4,{2 * ffn}] parameter(2)",
+            f"  %h = f32[3,{2 * ffn}] dot(%normed, %gate_up), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}",
+            f"  %g = f32[3,{ffn}] slice(%h), slice={{[0:3], [0:{ffn}]}}",
+            f"  %u = f32[3,{ffn}] slice(%h), slice={{[0:3], [{ffn}:{2 * ffn}]}}",
+            f"  %sig = f32[3,{ffn}] logistic(%g)",
+            f"  %act = f32[3,{ffn}] multiply(%g, %sig)",
+            f"  %y = f32[3,{ffn}] multiply(%act, %u)",
+            f"  %down = f32[{ffn},4] parameter(3)",
+            "  %down_out = f32[3,4] dot(%y, %down), lhs_contracting_dims={1}, rhs_contracting_dims={0}",
+            *tail,
+            f"  ROOT %t = (f32[3,4]) tuple({out})",
+            "}",
+        ]
+    )
+
+
+def write(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.fixture
+def mlp_pair(tmp_path: Path):
+    def make(reduce: bool = True) -> tuple[str, str]:
+        return write(tmp_path / "ref.hlo", mlp(6, reduce=False)), write(tmp_path / "tp2.hlo", mlp(3, reduce))
+
+    return make
+
+
+def test_fused_gate_up_blocks_are_inferred_and_proven(mlp_pair) -> None:
+    ref, dist = mlp_pair()
+    report = verify_graphs(ref, dist)
+    assert report.verdict == "equivalent" and report.world_size == 2
+    assert "gate_up = gate_up sharded on dim 1 in blocks [0, 6, 12]" in report.inputs[2]
+    pair = import_pair(ref, dist)
+    captured = pair.captured([p.candidates[0] for p in pair.pairs])
+    assert run_graphs(captured.reference, captured.ranks, pair.checks).agree
+
+
+def test_plain_chunk_of_the_fused_weight_does_not_prove(mlp_pair, tmp_path: Path) -> None:
+    ref, dist = mlp_pair()
+    pinned = write(tmp_path / "rel.json", json.dumps({"gate_up": {"layout": "shard", "dim": 1}}))
+    report = verify_graphs(ref, dist, relations=pinned)
+    pair = import_pair(ref, dist, relations=pinned)
+    captured = pair.captured([p.candidates[0] for p in pair.pairs])
+    numbers = run_graphs(captured.reference, captured.ranks, pair.checks)
+    assert not numbers.agree and report.verdict == "discrepancy"
+    assert report.inputs[2] == "gate_up = gate_up sharded on dim 1"
+
+
+def test_missing_all_reduce_is_a_confirmed_missing_reduction(mlp_pair) -> None:
+    ref, dist = mlp_pair(reduce=False)
+    report = verify_graphs(ref, dist)
+    assert report.verdict == "discrepancy" and "confirmed numerically" in report.diagnosis
+    assert "partial sum" in report.diagnosis or "missing" in report.diagnosis
+
+
+def test_cli_malformed_hlo_exits_2_with_file_line_and_expectation(mlp_pair, tmp_path: Path, capsys) -> None:
+    ref, _ = mlp_pair()
+    text = mlp(3, True).replace("%sig = f32[3,3] logistic(%g)", "%sig = f32[3,3] logistic(%g")
+    line = text.splitlines().index("  %sig = f32[3,3] logistic(%g") + 1
+    bad = write(tmp_path / "bad.hlo", text)
+    code = main(["verify-graphs", "--reference", ref, "--distributed", bad, "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"{bad}:{line}: expected a closing `)`" in err
+
+
+def test_cli_unknown_op_is_unknown_with_exit_2(mlp_pair, tmp_path: Path) -> None:
+    ref, _ = mlp_pair()
+    odd = write(tmp_path / "odd.hlo", mlp(3, True).replace("logistic(%g)", "erf(%g)"))
+    out = tmp_path / "out.json"
+    code = main(["verify-graphs", "--reference", ref, "--distributed", odd, "--quiet", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert code == 2 and report["verdict"] == "unknown" and "HLO erf" in report["unknown"]["op"]
+
+
+@needs_llama
+@pytest.mark.parametrize("dist, ref", [("tp2_layer1", "tp1_layer1"), ("tp4_layer1", "tp1_layer1"), ("tp2_layer2", "tp1_layer2")])
+def test_neuron_llama_tensor_parallel_is_equivalent(dist: str, ref: str, tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    code = main(["verify-graphs", "--reference", str(LLAMA / ref), "--distributed", str(LLAMA / dist), "--quiet", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert code == 0 and report["verdict"] == "equivalent"
+    assert report["world_size"] == int(dist[2]) and report["outputs_compared"].startswith(report["outputs_compared"].split()[-1])
+    fused = [line for line in report["inputs"] if "blocks" in line]
+    assert fused == ["p9.10 = p9.10 sharded on dim 1 in blocks [0, 2048, 2560, 3072] (each block split over ranks)"] or dist == "tp2_layer2"
+
+
+@needs_llama
+def test_neuron_llama_with_qkv_as_a_plain_chunk_is_not_proven(tmp_path: Path) -> None:
+    pinned = write(tmp_path / "rel.json", json.dumps({"p9.10": {"layout": "shard", "dim": 1}}))
+    report = verify_graphs(LLAMA / "tp1_layer1", LLAMA / "tp2_layer1", relations=pinned)
+    assert report.verdict != "equivalent"
