@@ -69,6 +69,7 @@ class _Parser:
                 self.placeholder(arg.arg, self.meta(arg.annotation, arg))
         for statement in forward.body:
             self.statement(statement)
+        _tuple_values(self.graph)
         return self.graph, self.output_names
 
     def placeholder(self, name: str, val: torch.Tensor) -> None:
@@ -174,6 +175,19 @@ class _Parser:
         kept = [e for e in value.elts if not (isinstance(e, ast.Constant) and e.value is None)]
         self.output_names = [e.id if isinstance(e, ast.Name) else "" for e in kept]
         self.graph.output([self.expr(e) for e in kept])
+
+
+def _tuple_values(graph: fx.Graph) -> None:
+    """A multi-output aten node has no annotation of its own: run it on its operands' meta
+    tensors for the tuple of outputs make_fx would have recorded."""
+    for node in graph.nodes:
+        if node.op != "call_function" or "val" in node.meta or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+        try:
+            node.meta["val"] = node.target(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - no meta kernel: lowerings that need the value say so
+            continue
 
 
 def _dotted(node: ast.AST) -> str | None:

@@ -2,8 +2,8 @@
 of real training and serving stacks contain, each spelled in primitive IR ops.
 
 Fused kernels (apex layer norm forward and backward, vLLM's RMS norms, SwiGLU, rotary embedding
-and attention) and the backward and indexing aten ops of AOTAutograd joint graphs are lowered to
-their arithmetic, so the existing rules reason about them. `auto_functionalized` wrappers return
+and attention) and the backward and indexing aten ops of AOTAutograd joint graphs that the core table lacks are
+lowered to their arithmetic, so the existing rules reason about them. `auto_functionalized` wrappers return
 the new values of the arguments the wrapped kernel mutates, in order.
 
 Modelling choices, stated because the dump cannot show them: dropout is the identity (its random
@@ -158,15 +158,6 @@ def _native_dropout(lo: DumpLowerer, x, p, train=None) -> tuple:
     return value, lo.builder().full(True, lo.shape(value), "bool")
 
 
-def _max(lo: DumpLowerer, x, dim=None, keepdim=False) -> Value:
-    """max over all elements, or (values, indices) along one dim; indices have no IR meaning."""
-    value = lo.tensor(x)
-    if dim is None:
-        return lo.builder().reduce("amax", value, tuple(range(len(lo.shape(value)))), False)
-    dim = dim % len(lo.shape(value))
-    return lo.builder().reduce("amax", value, (dim,), bool(keepdim)), None
-
-
 def _one_hot(b: GraphBuilder, ids: int, size: int, dtype: str) -> int:
     """one_hot(ids, size) as ids[..., None] == arange(size), in `dtype`."""
     shape = b.shape(ids)
@@ -175,26 +166,16 @@ def _one_hot(b: GraphBuilder, ids: int, size: int, dtype: str) -> int:
     return b.convert(hits, dtype)
 
 
-def _is_arange(lo: DumpLowerer, value: int, size: int) -> bool:
-    node = lo.graph[value]
-    return node.op == "const" and node.attrs[0] == ("arange", 0, size, 1)
-
-
 def _index(lo: DumpLowerer, x, indices) -> int:
-    """x[ids] (rows by integer ids) as an embedding lookup; x[arange(n), ids] (one element per
-    row) as a sum of x times one_hot(ids)."""
+    """x[ids] (whole rows by integer ids) as an embedding lookup."""
     b, value = lo.builder(), lo.tensor(x)
     shape = lo.shape(value)
-    tensors = [lo.tensor(i) for i in indices if i is not None]
-    if len(indices) == 1 and len(tensors) == 1:
-        ids = tensors[0]
-        table = b.view(value, (shape[0], math.prod(shape[1:])))
-        rows = b.add("embedding", (table, ids), (), lo.shape(ids) + lo.shape(table)[1:], lo.dtype(value))
-        return b.view(rows, lo.shape(ids) + shape[1:])
-    if len(indices) == 2 and len(tensors) == 2 and len(shape) == 2 and _is_arange(lo, tensors[0], shape[0]):
-        picked = b.binary("mul", value, _one_hot(b, tensors[1], shape[1], lo.dtype(value)))
-        return b.reduce("sum", picked, (1,), keepdim=False)
-    raise UnsupportedOp("aten.index other than x[ids] or x[arange(n), ids]", from_fx._at(lo.locate(lo.current)))
+    if len(indices) != 1 or indices[0] is None:
+        raise UnsupportedOp("aten.index other than x[ids] or x[arange(n), ids]", from_fx._at(lo.locate(lo.current)))
+    ids = lo.tensor(indices[0])
+    table = b.view(value, (shape[0], math.prod(shape[1:])))
+    rows = b.add("embedding", (table, ids), (), lo.shape(ids) + lo.shape(table)[1:], lo.dtype(value))
+    return b.view(rows, lo.shape(ids) + shape[1:])
 
 
 def _index_put(lo: DumpLowerer, x, indices, values, accumulate=False) -> int:
@@ -203,26 +184,12 @@ def _index_put(lo: DumpLowerer, x, indices, values, accumulate=False) -> int:
     shape = lo.shape(value)
     if len(indices) == 2 and not accumulate and len(shape) == 2:
         rows, ids = (lo.tensor(i) for i in indices)
-        if _is_arange(lo, rows, shape[0]):
+        if from_fx._is_arange(lo, rows, shape[0]):
             b = lo.builder()
             hits = _one_hot(b, ids, shape[1], "bool")
             column = b.view(lo.tensor(values), (shape[0], 1)) if lo.shape(lo.tensor(values)) else lo.tensor(values)
             return b.add("where", (hits, b.broadcast_to(column, shape), value), (), shape, lo.dtype(value))
     return from_fx._LOWER["aten.index_put"](lo, x, indices, values, accumulate)
-
-
-def _slice_scatter(lo: DumpLowerer, x, src, dim=0, start=None, end=None, step=1) -> int:
-    """x with x[start:end] along dim replaced by src: the pieces around it, concatenated."""
-    if step != 1:
-        raise UnsupportedOp("slice_scatter with step != 1", from_fx._at(lo.locate(lo.current)))
-    base = lo.tensor(x)
-    size = lo.shape(base)[dim % len(lo.shape(base))]
-    dim = dim % len(lo.shape(base))
-    start = 0 if start is None else min(start, size)
-    end = size if end is None else min(end, size)
-    before = [slice_value(lo, base, dim, 0, start)] if start > 0 else []
-    after = [slice_value(lo, base, dim, end, size)] if end < size else []
-    return lo.builder().cat([*before, lo.tensor(src), *after], dim)
 
 
 def _baddbmm(lo: DumpLowerer, bias, x, y, beta=1, alpha=1) -> int:
@@ -390,10 +357,8 @@ KERNELS: dict[str, Callable[..., Value]] = {
     "apex.fused_layer_norm_affine_fwd": _apex_layer_norm_fwd,
     "apex.fused_layer_norm_affine_bwd": _apex_layer_norm_bwd,
     "aten.native_dropout": _native_dropout,
-    "aten.max": _max,
     "aten.index": _index,
     "aten.index_put": _index_put,
-    "aten.slice_scatter": _slice_scatter,
     "aten.baddbmm": _baddbmm,
     "aten.gelu_backward": _gelu_backward,
     "aten._softmax_backward_data": _softmax_backward,

@@ -343,8 +343,9 @@ def _written_over(lo: Lowerer, base: int, src: int, dim: int, start: int | None,
         raise UnsupportedOp("slice_scatter with step != 1", _at(lo.locate(lo.current)))
     start = 0 if start is None else (start + shape[dim] if start < 0 else start)
     end = shape[dim] if end is None else min(end + shape[dim] if end < 0 else end, shape[dim])
-    parts = [slice_value(lo, base, dim, 0, start), src, slice_value(lo, base, dim, end, shape[dim])]
-    parts = [p for p in parts if lo.shape(p)[dim] > 0]
+    before = [slice_value(lo, base, dim, 0, start)] if start > 0 else []  # no empty slices: nothing reads them
+    after = [slice_value(lo, base, dim, end, shape[dim])] if end < shape[dim] else []
+    parts = [*before, src, *after]
     return parts[0] if len(parts) == 1 else lo.emit("cat", tuple(parts), (dim,))
 
 

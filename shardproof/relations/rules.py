@@ -962,8 +962,7 @@ def _reduce(r: Rules, op: str, args, attrs, shape, dtype) -> int:
     term = r.u[x]
     if op == "sum" and term.op in ("lin", "piece"):
         return r._map_linear(x, lambda t: r.build(op, (t,), attrs, shape, dtype), shape)
-    copies = term.op == "bcast" and not set(dims) <= set(term.attrs[0])
-    if op in _SPLIT_REDUCTIONS and copies and term.dtype == real(dtype):
+    if op in _SPLIT_REDUCTIONS and term.op == "bcast" and term.dtype == real(dtype):
         return _reduce_copies(r, op, x, dims, shape, dtype)
     if op == "sum" and term.op == "cat" and term.attrs[0] in dims:  # a sum over the joined dim adds the parts' sums
         return r.lin([(r.build(op, (p,), attrs, shape, dtype), Fraction(1)) for p in term.args])
@@ -990,8 +989,10 @@ _SPLIT_REDUCTIONS: dict[str, Callable[..., int]] = {"sum": Rules.piece, "amax": 
 
 
 def _reduce_copies(r: Rules, op: str, x: int, dims: tuple[int, ...], shape, dtype) -> int:
-    """Reducing over broadcast dims reduces copies of one value: a sum over them is the value
-    times their count, a max over them is the value."""
+    """Reducing a broadcast reduces its base over the reduced base dims (a bias summed over the
+    hidden dim is one number for every token, however many tokens a rank holds) and copies of
+    one value over the reduced broadcast dims: a sum over them is the value times their count,
+    a max over them is the value."""
     term = r.u[x]
     base, placed = term.args[0], term.attrs[0]
     base_dims = tuple(i for i, d in enumerate(placed) if d in dims)
