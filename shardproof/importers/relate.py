@@ -30,8 +30,11 @@ class Pairing:
     ref: GraphInput
     candidates: list[Layout]
     pinned: bool = False
+    value: float | None = None  # a constant whose values the dumps elide, pinned to one number
 
     def describe(self, layout: Layout, labels: ImportedGraph) -> str:
+        if self.value is not None:
+            return f"{self.dist.name} = {self.ref.name} = {self.value} (pinned)"
         name = labels.label(self.ref.name)
         return f"{self.dist.name} = {self.ref.name}{f' ({name})' if name != self.ref.name else ''} {layout.describe()}"
 
@@ -145,7 +148,8 @@ def _boundaries(graph: Graph) -> dict[int, set[int]]:
 
 def pin(pairs: list[Pairing], ref: ImportedGraph, path: str | Path) -> None:
     """Apply hand-written relations: {"dist input": {"reference": name, "layout": "replicate"|"shard",
-    "dim": d, "blocks": [...], "micro": [i, m]}}; the inferred pairing stays for inputs not named."""
+    "dim": d, "blocks": [...], "micro": [i, m]}} or, for a constant the dumps elide, {"value": v}
+    (on both sides); the inferred pairing stays for inputs not named."""
     try:
         pinned = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as err:
@@ -160,13 +164,26 @@ def pin(pairs: list[Pairing], ref: ImportedGraph, path: str | Path) -> None:
             if spec["reference"] not in refs:
                 raise CaseError(f"--relations {path}: no reference input named {spec['reference']}")
             pair.ref = refs[spec["reference"]]
-        layout = Layout(
-            spec.get("layout", "replicate"),
-            int(spec.get("dim", 0)),
-            tuple(spec.get("blocks", (0, pair.ref.shape[int(spec.get("dim", 0))]))),
-            tuple(spec.get("micro", (0, 1))),
-        )
-        pair.candidates, pair.pinned = [layout], True
+        pair.pinned = True
+        if "value" in spec:
+            if not pair.dist.constant:
+                raise CaseError(f"--relations {path}: {name} is a graph input, not a constant; only constants take a value")
+            pair.value, pair.candidates = spec["value"], [Layout("replicate")]
+            continue
+        dim = int(spec.get("dim", 0))
+        if spec.get("layout", "replicate") == "shard" and not 0 <= dim < len(pair.ref.shape):
+            raise CaseError(f"--relations {path}: {name}: dim {dim} is not a dim of {pair.ref.name} {list(pair.ref.shape)}")
+        blocks = tuple(spec.get("blocks", (0, pair.ref.shape[dim] if pair.ref.shape else 1)))
+        pair.candidates = [Layout(spec.get("layout", "replicate"), dim, blocks, tuple(spec.get("micro", (0, 1))))]
+
+
+def with_values(graph: Graph, values: dict[str, float]) -> Graph:
+    """The graph with the leaves named in `values` replaced by constants of those values."""
+    nodes = [
+        replace(n, op="const", attrs=(("full", values[n.attrs[0]]),)) if n.op == "leaf" and n.attrs[0] in values else n
+        for n in graph.nodes
+    ]
+    return Graph(nodes, graph.outputs, graph.rank)
 
 
 def rank_graph(dist: ImportedGraph, pairs: list[Pairing], layouts: list[Layout], rank: int, world_size: int) -> Graph:

@@ -21,7 +21,7 @@ from shardproof.errors import CaseError, UnsupportedOp
 from shardproof.importers.graph_inputs import ImportedGraph
 from shardproof.importers.layouts import Layout
 from shardproof.importers.numeric import run_graphs
-from shardproof.importers.relate import Pairing, implied_world_size, pair_inputs, pin, rank_graph
+from shardproof.importers.relate import Pairing, implied_world_size, pair_inputs, pin, rank_graph, with_values
 from shardproof.importers.sources import Program, load_program
 from shardproof.ir.graph import Graph
 from shardproof.prove import Proof, prove
@@ -45,8 +45,11 @@ class ImportedPair:
     def captured(self, layouts: list[Layout]) -> Captured:
         """Reference and rank graphs over the same leaves, with these input layouts."""
         n = self.distributed.world_size
-        ranks = [_restricted(rank_graph(g, self.pairs, layouts, r, n), self.compared) for r, g in enumerate(self.distributed.graphs)]
-        return Captured(_restricted(self.reference.graphs[0].graph, self.compared), ranks, self.checks, self.seconds)
+        values = {p.ref.name: p.value for p in self.pairs if p.value is not None}
+        ranks = [rank_graph(g, self.pairs, layouts, r, n) for r, g in enumerate(self.distributed.graphs)]
+        ranks = [_restricted(with_values(g, values), self.compared) for g in ranks]
+        reference = with_values(self.reference.graphs[0].graph, values)
+        return Captured(_restricted(reference, self.compared), ranks, self.checks, self.seconds)
 
 
 def import_pair(
