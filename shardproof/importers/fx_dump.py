@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from shardproof.errors import GraphFileError
+from shardproof.errors import GraphFileError, UnsupportedOp
 from shardproof.importers.fx_kernels import DumpLowerer, DumpOp
 from shardproof.importers.graph_inputs import ImportedGraph
 from shardproof.ir.graph import Location
@@ -32,10 +32,53 @@ _ANNOTATION = re.compile(r"^(?P<dtype>[a-z]+\d*)\[(?P<dims>[\d, ]*)\]$")
 
 
 def load_fx(path: str, rank: int, world_size: int) -> ImportedGraph:
+    """One dump on its own: every process group it names spans all `world_size` ranks."""
+    graph, outputs = _parse(path)
+    groups = {g: tuple(range(world_size)) for g in _group_names(graph)}
+    return DumpLowerer(graph, outputs, path, rank, world_size, groups).run()
+
+
+def load_fx_ranks(paths: list[str]) -> tuple[list[ImportedGraph], dict[str, tuple[int, ...]]]:
+    """The dumps of ranks 0..n-1, and the ranks of each process group they name.
+
+    A collective completes only when every rank of its group calls it, so a group's ranks are
+    the ranks whose dumps name it (names are per process: rank 0's data-parallel group of one
+    may be `1` and rank 1's `3`). A size the dump states (all-gather, reduce-scatter) must agree."""
+    parsed = [_parse(path) for path in paths]
+    members: dict[str, list[int]] = {}
+    for rank, (graph, _) in enumerate(parsed):
+        for g in _group_names(graph):
+            members.setdefault(g, []).append(rank)
+    for rank, (graph, _) in enumerate(parsed):
+        for g, size in _stated_group_sizes(graph).items():
+            if size != len(members[g]):
+                raise UnsupportedOp(f"process group `{g}` of {size} ranks named by the dumps of ranks {members[g]} only", paths[rank])
+    groups = {g: tuple(ranks) for g, ranks in members.items()}
+    n = len(paths)
+    graphs = [DumpLowerer(graph, outputs, path, r, n, groups).run() for r, (path, (graph, outputs)) in enumerate(zip(paths, parsed))]
+    return graphs, groups
+
+
+def _parse(path: str) -> tuple[fx.Graph, list[str]]:
     with open(path, encoding="utf-8") as handle:
-        source = handle.read()
-    graph, names = _Parser(source, path).parse()
-    return DumpLowerer(graph, names, path, rank, world_size).run()
+        return _Parser(handle.read(), path).parse()
+
+
+def _collectives(graph: fx.Graph) -> list[fx.Node]:
+    return [n for n in graph.nodes if n.op == "call_function" and str(n.target).startswith(("_c10d_functional.", "vllm.all_reduce"))]
+
+
+def _group_names(graph: fx.Graph) -> set[str]:
+    return {a for n in _collectives(graph) for a in n.args[1:] if isinstance(a, str) and a not in ("sum", "max", "min", "avg")}
+
+
+def _stated_group_sizes(graph: fx.Graph) -> dict[str, int]:
+    """all_gather_into_tensor(x, group_size, group) and reduce_scatter_tensor(x, op, group_size, group)."""
+    sizes = {}
+    for node in _collectives(graph):
+        if str(node.target).startswith(("_c10d_functional.all_gather_into_tensor", "_c10d_functional.reduce_scatter_tensor")):
+            sizes[node.args[-1]] = node.args[-2]
+    return sizes
 
 
 class _Parser:

@@ -53,13 +53,15 @@ class DumpLowerer(Lowerer):
     """The aten Lowerer with the dump-only ops, unknown constants as inputs, and collectives over
     all ranks of the dump (a single-rank collective is the identity)."""
 
-    def __init__(self, graph: fx.Graph, output_names: list[str], path: str, rank: int, world_size: int):
+    def __init__(
+        self, graph: fx.Graph, output_names: list[str], path: str, rank: int, world_size: int,
+        groups: dict[str, tuple[int, ...]],
+    ):  # fmt: skip
         self.world_size = world_size
         names = [n.meta["dump_name"] for n in graph.nodes if n.op == "placeholder"]
         super().__init__(
-            types.SimpleNamespace(graph=graph), names, _locate, [], lambda _: tuple(range(world_size)),
-            rank if world_size > 1 else None,
-        )  # fmt: skip
+            types.SimpleNamespace(graph=graph), names, _locate, [], lambda g: groups[g], rank if world_size > 1 else None
+        )
         self.imported = ImportedGraph(self.graph, path, output_names=output_names)
 
     def run(self) -> ImportedGraph:
@@ -241,14 +243,14 @@ def _broadcast(lo: DumpLowerer, x, src, group) -> int:
     b, value = lo.builder(), lo.tensor(x)
     shape = lo.shape(value)
     rows = b.view(value, shape if shape else (1,))
-    whole = gathered(lo, rows, tuple(range(lo.world_size)))
+    whole = gathered(lo, rows, lo.group_ranks(group))
     size = lo.shape(rows)[0]
     return b.view(slice_value(lo, whole, 0, src * size, (src + 1) * size), shape)
 
 
 def _vllm_all_reduce(lo: DumpLowerer, x, group_name) -> int:
     value = lo.tensor(x)
-    return lo.emit("all_reduce", (value,), ("sum", tuple(range(lo.world_size))), lo.shape(value), lo.dtype(value))
+    return lo.emit("all_reduce", (value,), ("sum", lo.group_ranks(group_name)), lo.shape(value), lo.dtype(value))
 
 
 # --- auto_functionalized kernels: the new values of their mutated arguments ---------------------------

@@ -9,7 +9,7 @@ joint forward+backward graph (`both`) is the one that covers the others.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -28,6 +28,7 @@ class Program:
     format: str
     graphs: list[ImportedGraph]
     spmd: Callable[[int], list[ImportedGraph]] | None = None  # an SPMD module lowered for n ranks
+    groups: dict[str, tuple[int, ...]] = field(default_factory=dict)  # process group name -> its ranks
 
     @property
     def world_size(self) -> int:
@@ -57,9 +58,10 @@ def load_program(path: str | Path, format: str | None, side: str) -> Program:
 
             return Program(str(path), format, spmd(world_size_of(module) or 1), spmd)
         return Program(str(path), format, [lower_hlo(m, r, len(modules)) for r, m in enumerate(modules)])
-    from shardproof.importers.fx_dump import load_fx
+    from shardproof.importers.fx_dump import load_fx_ranks
 
-    return Program(str(path), format, [load_fx(str(f), r, len(files)) for r, f in enumerate(files)])
+    graphs, groups = load_fx_ranks([str(f) for f in files])
+    return Program(str(path), format, graphs, groups=groups)
 
 
 def _files(path: Path, side: str) -> list[Path]:

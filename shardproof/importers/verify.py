@@ -103,6 +103,7 @@ def verify_graphs(
     report.capture_seconds = pair.seconds
     reference_graph = pair.reference.graphs[0]
     report.inputs = [p.describe(layout, reference_graph) for p, layout in zip(pair.pairs, choice)]
+    report.inputs += [f"process group `{g}`: ranks {list(ranks)}" for g, ranks in sorted(pair.distributed.groups.items())]
     report.outputs_compared = f"{len(pair.compared)} of {len(reference_graph.graph.outputs)}"
     return report
 
