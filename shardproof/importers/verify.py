@@ -104,6 +104,14 @@ def verify_graphs(
     reference_graph = pair.reference.graphs[0]
     report.inputs = [p.describe(layout, reference_graph) for p, layout in zip(pair.pairs, choice)]
     report.inputs += [f"process group `{g}`: ranks {list(ranks)}" for g, ranks in sorted(pair.distributed.groups.items())]
+    elided = [p.dist.name for p in pair.pairs if p.dist.constant and p.value is None]
+    if report.verdict != "equivalent" and elided:
+        report.diagnosis += (
+            f"; note: the dumps do not show the values of constants {', '.join(elided)} (taken as unknown inputs); "
+            f"if the programs need them, pin them with --relations, e.g. {{\"{elided[0]}\": {{\"value\": 0}}}}"
+        )
+        if report.unknown is not None:
+            report.unknown["reason"] = report.diagnosis
     report.outputs_compared = f"{len(pair.compared)} of {len(reference_graph.graph.outputs)}"
     return report
 
