@@ -1,0 +1,137 @@
+"""Benchmark `shardproof verify-graphs` on the real graph dumps of ../shared/data/entangle.
+
+Each pair runs in a fresh spawned child process, so its peak RSS is its own. Prints one row per
+pair (import seconds, proof seconds, peak MiB) and, where the research tool that published these
+dumps reported a time for the same graphs, the ratio. See bench/README.md for the columns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import resource
+import sys
+import tempfile
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from verify_llama import render
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "entangle"
+# Megatron's cross-entropy fill constants, elided by the dumps (see tests/importers/test_verify_fx.py)
+CE_FILLS = {"_tensor_constant2": {"value": 0}, "_tensor_constant3": {"value": 0.0}}
+# (reference, distributed, relations pinned by hand, research tool's seconds on a 16-core server)
+PAIRS = [
+    ("aws_llama/tp1_layer1", "aws_llama/tp2_layer1", None, 10.1),
+    ("aws_llama/tp1_layer1", "aws_llama/tp4_layer1", None, None),
+    ("aws_llama/tp1_layer2", "aws_llama/tp2_layer2", None, None),
+    ("gpt/paral1_layer1", "gpt/paral2_layer1", CE_FILLS, 13.6),
+    ("gpt/paral1_layer1", "gpt/paral4_layer1", CE_FILLS, None),
+    ("gpt/paral1_layer2", "gpt/paral2_layer2", CE_FILLS, None),
+    ("qwen2/paral1_layer1", "qwen2/paral2_layer1", None, None),
+    ("bug_grad_accumulation/1step", "bug_grad_accumulation/2step.bug", None, None),
+    ("bug_missing_layernorm_allreduce/tp1", "bug_missing_layernorm_allreduce/tp2.bug", CE_FILLS, None),
+]
+HEADERS = ["distributed", "ranks", "verdict", "import s", "proof s", "total s", "peak MiB", "terms", "research s", "speed-up"]
+
+
+@dataclass
+class Row:
+    pair: str
+    research: float | None
+    verdict: str = "error"
+    ranks: int | None = None
+    imported: float | None = None
+    total: float | None = None
+    peak_mib: float | None = None
+    terms: int | None = None
+    note: str | None = None
+
+    def cells(self) -> list[str]:
+        proof = None if self.total is None else self.total - self.imported
+        speedup = None if self.research is None or not self.total else self.research / self.total
+        return [
+            self.pair, _fmt(self.ranks, "d"), self.verdict, _fmt(self.imported, ".2f"), _fmt(proof, ".2f"),
+            _fmt(self.total, ".2f"), _fmt(self.peak_mib, ".0f"), _fmt(self.terms, "d"), _fmt(self.research, ".1f"),
+            "-" if speedup is None else f"{speedup:.0f}x",
+        ]  # fmt: skip
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def measure(reference: str, distributed: str, relations: dict | None) -> dict[str, Any]:
+    """Verify one pair in this process; return the Row fields."""
+    from shardproof.importers.verify import verify_graphs
+
+    pinned = None
+    if relations is not None:
+        pinned = Path(tempfile.mkdtemp()) / "relations.json"
+        pinned.write_text(json.dumps(relations))
+    report = verify_graphs(DATA / reference, DATA / distributed, relations=pinned)
+    return {
+        "verdict": report.verdict,
+        "ranks": report.world_size,
+        "imported": report.capture_seconds,
+        "total": report.seconds,
+        "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # Linux: KiB
+        "terms": report.terms,
+        "note": report.diagnosis,
+    }
+
+
+def _child(conn: Connection, reference: str, distributed: str, relations: dict | None) -> None:
+    try:
+        conn.send(("ok", measure(reference, distributed, relations)))
+    except BaseException as err:  # noqa: BLE001 - every failure becomes the row's verdict
+        conn.send(("error", f"{type(err).__name__}: {err}"))
+    finally:
+        conn.close()
+
+
+def run_pair(reference: str, distributed: str, relations: dict | None, research: float | None, timeout: float) -> Row:
+    ctx = mp.get_context("spawn")
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_child, args=(send, reference, distributed, relations))
+    child.start()
+    send.close()
+    row = Row(distributed, research)
+    if not receive.poll(timeout):
+        child.terminate()
+        row.verdict, row.note = "timeout", f"no result within {timeout:.0f} s"
+    else:
+        status, payload = receive.recv()
+        if status == "ok":
+            row = Row(distributed, research, **payload)
+        else:
+            row.note = payload
+    child.join()
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", help="run the pairs whose distributed path contains this text")
+    parser.add_argument("--markdown", action="store_true", help="emit a markdown table")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per pair, default 900")
+    args = parser.parse_args(argv)
+    if not DATA.is_dir():
+        parser.error(f"graph dumps not found at {DATA}")
+    rows = []
+    for reference, distributed, relations, research in PAIRS:
+        if args.only and args.only not in distributed:
+            continue
+        rows.append(run_pair(reference, distributed, relations, research, args.timeout))
+        print(f"{distributed}: {rows[-1].verdict}", file=sys.stderr, flush=True)
+    print(render(HEADERS, [row.cells() for row in rows], args.markdown))
+    notes = [f"- {row.pair}: {row.note}" for row in rows if row.note and row.verdict != "equivalent"]
+    if notes:
+        print("\nVerdict notes:\n" + "\n".join(notes))
+
+
+if __name__ == "__main__":
+    main()
