@@ -42,8 +42,8 @@ class Program:
 
 
 def load_program(path: str | Path, format: str | None, side: str) -> Program:
-    files = _files(Path(path), side)
-    format = format or _detect(files[0])
+    files = graph_files(Path(path), side)
+    format = format or detect_format(files[0])
     if format not in FORMATS:
         raise CaseError(f"unknown graph format `{format}`: use one of {', '.join(FORMATS)}")
     if format == "hlo":
@@ -64,7 +64,7 @@ def load_program(path: str | Path, format: str | None, side: str) -> Program:
     return Program(str(path), format, graphs, groups=groups)
 
 
-def _files(path: Path, side: str) -> list[Path]:
+def graph_files(path: Path, side: str) -> list[Path]:
     """The graph files of a side in rank order."""
     if path.is_file():
         return [path]
@@ -92,7 +92,7 @@ def _files(path: Path, side: str) -> list[Path]:
     return [f for _, f in ranked]
 
 
-def _detect(path: Path) -> str:
+def detect_format(path: Path) -> str:
     with open(path, encoding="utf-8", errors="replace") as handle:
         head = handle.read(4096)
     if re.search(r"^\s*HloModule\b", head, re.MULTILINE):
