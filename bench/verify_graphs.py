@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import resource
 import sys
 import tempfile
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from child import run_in_child
 from verify_llama import render
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "entangle"
@@ -84,33 +83,12 @@ def measure(reference: str, distributed: str, relations: dict | None) -> dict[st
     }
 
 
-def _child(conn: Connection, reference: str, distributed: str, relations: dict | None) -> None:
-    try:
-        conn.send(("ok", measure(reference, distributed, relations)))
-    except BaseException as err:  # noqa: BLE001 - every failure becomes the row's verdict
-        conn.send(("error", f"{type(err).__name__}: {err}"))
-    finally:
-        conn.close()
-
-
 def run_pair(reference: str, distributed: str, relations: dict | None, research: float | None, timeout: float) -> Row:
-    ctx = mp.get_context("spawn")
-    receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_child, args=(send, reference, distributed, relations))
-    child.start()
-    send.close()
-    row = Row(distributed, research)
-    if not receive.poll(timeout):
-        child.terminate()
-        row.verdict, row.note = "timeout", f"no result within {timeout:.0f} s"
-    else:
-        status, payload = receive.recv()
-        if status == "ok":
-            row = Row(distributed, research, **payload)
-        else:
-            row.note = payload
-    child.join()
-    return row
+    """Measure one pair in a fresh spawned process; failures become the row's verdict."""
+    status, payload = run_in_child(measure, (reference, distributed, relations), timeout)
+    if status == "ok":
+        return Row(distributed, research, **payload)
+    return Row(distributed, research, status, note=payload)
 
 
 def main(argv: list[str] | None = None) -> None:

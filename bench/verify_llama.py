@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import multiprocessing as mp
 import resource
 import sys
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
+
+from child import run_in_child
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 CASES = {"forward": EXAMPLES / "llama_tp.py", "train": EXAMPLES / "llama_sp_train.py"}
@@ -77,40 +77,16 @@ def measure(world_size: int, layers: int, preset: str | None, mode: str = "forwa
     }
 
 
-def _child(conn: Connection, world_size: int, layers: int, preset: str | None, mode: str) -> None:
-    try:
-        conn.send(("ok", measure(world_size, layers, preset, mode)))
-    except BaseException as err:  # noqa: BLE001 - every failure becomes the row's verdict
-        conn.send(("error", f"{type(err).__name__}: {err}"))
-    finally:
-        conn.close()
-
-
 # --------------------------------------------------------------------------------------------
 # parent process
 
 
 def run_configuration(world_size: int, layers: int, preset: str | None, timeout: float, mode: str = "forward") -> Row:
     """Measure one configuration in a fresh spawned process; failures become the row's verdict."""
-    ctx = mp.get_context("spawn")
-    receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_child, args=(send, world_size, layers, preset, mode))
-    child.start()
-    send.close()
-    if not receive.poll(timeout):
-        child.terminate()
-        child.join()
-        return Row(world_size, layers, "timeout", note=f"no result within {timeout:.0f} s")
-    try:
-        status, payload = receive.recv()
-    except EOFError:
-        status, payload = "crash", None
-    child.join()
-    if status == "crash":
-        return Row(world_size, layers, "crash", note=f"child exited with code {child.exitcode}")
-    if status == "error":
-        return Row(world_size, layers, "error", note=payload)
-    return Row(world_size, layers, **payload)
+    status, payload = run_in_child(measure, (world_size, layers, preset, mode), timeout)
+    if status == "ok":
+        return Row(world_size, layers, **payload)
+    return Row(world_size, layers, status, note=payload)
 
 
 def ratios(rows: list[Row]) -> list[tuple[str, str, str, str]]:
