@@ -376,6 +376,8 @@ class Rules:
         root, region = (term.args[0], term.attrs[0]) if term.op == "slice" else self._cat_region(x) if term.op == "cat" else (x, None)
         if root != x:  # a region of a larger tensor (a cat may be one: a head range padded with zeros)
             found = self._view_region(root, region, shape)
+            if found is None and term.op == "slice":
+                found = self._view_inner_slice(root, region, shape)
             if found is not None:
                 return found
         inserted = _inserted_ones(term.shape, shape)
@@ -438,7 +440,7 @@ class Rules:
                 return self.slice(whole, split[1])
         if plain is not None:
             return self.slice(self.view(root, plain[0]), plain[1])
-        return self._view_inner_slice(root, region, shape)
+        return None
 
     def _view_inner_slice(self, root: int, region: Box, shape: tuple[int, ...]) -> int | None:
         """view(X[box]) where the box restricts a dim that the reshape merges under an outer one
