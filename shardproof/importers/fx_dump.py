@@ -12,7 +12,6 @@ from __future__ import annotations
 import ast
 import operator
 import re
-import types
 from typing import Any
 
 import torch
@@ -256,8 +255,3 @@ def _locations(source: str) -> dict[int, Location | None]:
             current = None
         found[number] = current
     return found
-
-
-def as_namespace(graph: fx.Graph) -> types.SimpleNamespace:
-    """What the aten Lowerer reads of a GraphModule: its graph."""
-    return types.SimpleNamespace(graph=graph)

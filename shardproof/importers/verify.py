@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from shardproof.api import confirmed, proof_report
 from shardproof.capture.torch_capture import Captured
@@ -25,8 +25,8 @@ from shardproof.importers.relate import Pairing, implied_world_size, pair_inputs
 from shardproof.importers.sources import Program, load_program
 from shardproof.ir.graph import Graph
 from shardproof.prove import Proof, prove
-from shardproof.steps import Check
 from shardproof.report.model import Report
+from shardproof.steps import Check
 
 MAX_ATTEMPTS = 12  # proofs tried over candidate layouts before reporting the most plausible one
 
@@ -101,9 +101,17 @@ def verify_graphs(
         proof.finding = confirmed(numbers, proof.finding, _elements(captured.reference))
     report = proof_report(proof, captured, pair.distributed.world_size, time.perf_counter() - start)
     report.capture_seconds = pair.seconds
-    reference_graph = pair.reference.graphs[0]
-    report.inputs = [p.describe(layout, reference_graph) for p, layout in zip(pair.pairs, choice)]
+    _state_assumptions(report, pair, choice)
+    return report
+
+
+def _state_assumptions(report: Report, pair: ImportedPair, layouts: list[Layout]) -> None:
+    """What the proof took as given: input layouts, process groups, outputs compared; and, when it
+    fails, the constants the dumps do not show that it may have needed."""
+    reference = pair.reference.graphs[0]
+    report.inputs = [p.describe(layout, reference) for p, layout in zip(pair.pairs, layouts)]
     report.inputs += [f"process group `{g}`: ranks {list(ranks)}" for g, ranks in sorted(pair.distributed.groups.items())]
+    report.outputs_compared = f"{len(pair.compared)} of {len(reference.graph.outputs)}"
     elided = [p.dist.name for p in pair.pairs if p.dist.constant and p.value is None]
     if report.verdict != "equivalent" and elided:
         report.diagnosis += (
@@ -112,11 +120,9 @@ def verify_graphs(
         )
         if report.unknown is not None:
             report.unknown["reason"] = report.diagnosis
-    report.outputs_compared = f"{len(pair.compared)} of {len(reference_graph.graph.outputs)}"
-    return report
 
 
-def _assignments(pairs: list[Pairing]):
+def _assignments(pairs: list[Pairing]) -> Iterator[list[Layout]]:
     """The first-ranked layout for every input, then each alternative of one input at a time."""
     first = [p.candidates[0] for p in pairs]
     yield first
