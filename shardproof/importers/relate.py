@@ -33,10 +33,11 @@ class Pairing:
     value: float | None = None  # a constant whose values the dumps elide, pinned to one number
 
     def describe(self, layout: Layout, labels: ImportedGraph) -> str:
+        pinned = " (pinned)" if self.pinned else ""
         if self.value is not None:
-            return f"{self.dist.name} = {self.ref.name} = {self.value} (pinned)"
+            return f"{self.dist.name} = {self.ref.name} = {self.value}{pinned}"
         name = labels.label(self.ref.name)
-        return f"{self.dist.name} = {self.ref.name}{f' ({name})' if name != self.ref.name else ''} {layout.describe()}"
+        return f"{self.dist.name} = {self.ref.name}{f' ({name})' if name != self.ref.name else ''} {layout.describe()}{pinned}"
 
 
 def pair_inputs(ref: ImportedGraph, dist: ImportedGraph, world_size: int) -> list[Pairing]:
@@ -46,7 +47,7 @@ def pair_inputs(ref: ImportedGraph, dist: ImportedGraph, world_size: int) -> lis
     for kind in (False, True):  # parameters, then constants whose values the dump elides
         refs = [i for i in ref.inputs if i.constant == kind]
         dists = [i for i in dist.inputs if i.constant == kind]
-        for d, r, micro in _match(refs, dists, world_size, dist.path):
+        for d, r, micro in _match(refs, dists, dist.path):
             layouts = _candidates(r.shape, d.shape, world_size, micro, bounds_ref, bounds_dist)
             if not layouts:
                 raise CaseError(
@@ -68,7 +69,7 @@ def implied_world_size(ref: ImportedGraph, dist: ImportedGraph) -> int:
     return ratios.pop() if len(ratios) == 1 else 1
 
 
-def _match(refs: list[GraphInput], dists: list[GraphInput], n: int, path: str) -> list[tuple[GraphInput, GraphInput, tuple[int, int]]]:
+def _match(refs: list[GraphInput], dists: list[GraphInput], path: str) -> list[tuple[GraphInput, GraphInput, tuple[int, int]]]:
     """(distributed, reference, micro-batch) triples: by position, by name, extras as micro-batches."""
     by_name = {r.name: r for r in refs}
     base = dists[: len(refs)]

@@ -88,7 +88,7 @@ def test_plain_chunk_of_the_fused_weight_does_not_prove(mlp_pair, tmp_path: Path
     captured = pair.captured([p.candidates[0] for p in pair.pairs])
     numbers = run_graphs(captured.reference, captured.ranks, pair.checks)
     assert not numbers.agree and report.verdict == "discrepancy"
-    assert report.inputs[2] == "gate_up = gate_up sharded on dim 1"
+    assert report.inputs[2] == "gate_up = gate_up sharded on dim 1 (pinned)"
 
 
 def test_missing_all_reduce_is_a_confirmed_missing_reduction(mlp_pair) -> None:
