@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions, ReduceScatterOptions
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.multi_threaded_pg import (
@@ -191,15 +192,37 @@ def _run_ranks(fn: Callable[[int], Any], world_size: int) -> tuple[list[Any], li
     torch._C._distributed_c10d._set_thread_isolation_mode(True)
     _install_threaded_pg()
     try:
-        for thread in threads:
-            thread.start()
-        hung = _join(threads)
+        with _flat_buffer_collectives():
+            for thread in threads:
+                thread.start()
+            hung = _join(threads)
     finally:
         ProcessLocalGroup.reset()
         _uninstall_threaded_pg()
         torch._C._distributed_c10d._set_thread_isolation_mode(False)
     _raise_first_error(errors, hung)
     return [results.get(r) for r in range(world_size)], hung
+
+
+@contextmanager
+def _flat_buffer_collectives() -> Iterator[None]:
+    """`all_gather_into_tensor` and `reduce_scatter_tensor` as NCCL runs them: on the buffers' flat
+    memory, whatever their shapes. The threaded group chunks the shaped buffer along dim 0
+    instead, which differs (and fails) when the output is not the inputs stacked on dim 0."""
+    originals = ProcessLocalGroup.all_gather_single, ProcessLocalGroup.reduce_scatter_single
+
+    def all_gather_single(self, output, input_, opts=AllgatherOptions()):
+        chunks = list(output.view(-1).chunk(self._world_size))
+        return self.allgather([chunks], [input_.reshape(-1)], opts)
+
+    def reduce_scatter_single(self, output, input_, opts=ReduceScatterOptions()):
+        return self.reduce_scatter([output.view(-1)], [list(input_.reshape(-1).chunk(self._world_size))], opts)
+
+    ProcessLocalGroup.all_gather_single, ProcessLocalGroup.reduce_scatter_single = all_gather_single, reduce_scatter_single
+    try:
+        yield
+    finally:
+        ProcessLocalGroup.all_gather_single, ProcessLocalGroup.reduce_scatter_single = originals
 
 
 def _join(threads: list[threading.Thread]) -> list[int]:

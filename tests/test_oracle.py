@@ -129,3 +129,27 @@ def test_float_casts_are_the_identity() -> None:
     result = run_numeric(case, 2)
     assert result.agree, result.detail
     assert result.max_abs_error < 1e-12
+
+
+class _WideGather(nn.Module):
+    """Every rank's `up(x)` gathered into a buffer twice as wide: in memory order, as NCCL fills it."""
+
+    def __init__(self, distributed: bool):
+        super().__init__()
+        self.up = nn.Linear(HIDDEN, FFN)
+        self.distributed = distributed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.up(x)
+        if not self.distributed:
+            return torch.cat([y, y]).view(y.shape[0], -1)
+        out = torch.empty(y.shape[0], 2 * y.shape[1])
+        dist.all_gather_into_tensor(out, y)
+        return out
+
+
+def test_all_gather_into_a_buffer_of_another_shape_fills_flat_memory() -> None:
+    case = Case(reference=lambda: _WideGather(False), distributed=lambda rank, n: _WideGather(True),
+                inputs=lambda: (torch.randn(3, HIDDEN),))
+    result = run_numeric(case, 2)
+    assert result.agree, result.detail

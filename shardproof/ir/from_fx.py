@@ -756,16 +756,29 @@ def _all_gather_list(lo: Lowerer, outputs, inputs, group, *args) -> tuple:
 
 
 def _all_gather_base(lo: Lowerer, output, x, group, *args) -> tuple:
-    return (gathered(lo, lo.tensor(x), lo.group_ranks(group)), None)
+    """all_gather_into_tensor fills the output buffer's flat memory rank after rank: the
+    concatenation along dim 0, read in the buffer's own shape (which may split other dims)."""
+    whole = gathered(lo, lo.tensor(x), lo.group_ranks(group))
+    return (_as_buffer(lo, whole, lo.shape(lo.tensor(output))), None)
 
 
 def _reduce_scatter_base(lo: Lowerer, output, x, group, *args) -> tuple:
+    """reduce_scatter_tensor gives rank i chunk i of the summed input's flat memory, in the output
+    buffer's shape: dim 0 chunks of the input read as (ranks * out[0], *out[1:])."""
     op = lo.reduce_ops.pop(0) if lo.reduce_ops else "sum"
     ranks = lo.group_ranks(group)
-    value = lo.tensor(x)
-    shape = lo.shape(value)
-    out_shape = (shape[0] // len(ranks),) + shape[1:]
-    return (lo.emit("reduce_scatter", (value,), (0, op, ranks), out_shape, lo.dtype(value)), None)
+    out_shape = lo.shape(lo.tensor(output))
+    stacked = (len(ranks) * out_shape[0],) + out_shape[1:] if out_shape else (len(ranks),)
+    value = _as_buffer(lo, lo.tensor(x), stacked)
+    scattered = lo.emit("reduce_scatter", (value,), (0, op, ranks), out_shape or (1,), lo.dtype(value))
+    return (_as_buffer(lo, scattered, out_shape), None)
+
+
+def _as_buffer(lo: Lowerer, value: int, shape: tuple[int, ...]) -> int:
+    """`value`'s row-major memory read in `shape` (a no-op when the shapes agree)."""
+    if lo.shape(value) == tuple(shape):
+        return value
+    return lo.emit("view", (value,), (tuple(shape),), tuple(shape), lo.dtype(value))
 
 
 def _f_all_reduce(lo: Lowerer, x, op: str, group_name) -> int:

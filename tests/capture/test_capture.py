@@ -279,8 +279,25 @@ def _averaged_shard(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return shard
 
 
+
+
+def _gather_into_wide_buffer(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    y = x * w + dist.get_rank()
+    out = torch.empty(4, 6 * dist.get_world_size(), dtype=y.dtype)
+    dist.all_gather_into_tensor(out, y)
+    return out
+
+
+def _reduce_scatter_into_narrow_buffer(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    y = x * w + dist.get_rank()
+    out = torch.empty(4, 6 // dist.get_world_size(), dtype=y.dtype)
+    dist.reduce_scatter_tensor(out, y)
+    return out
+
+
 _MODEL_FUNCTIONS = [Elementwise.forward, LabelLookups.forward, _in_place_chain, _copy_into_zeros, _write_view_read_base,
-                    _write_base_read_view, _all_reduce_view_read_base, _padded, _erf_mse, _stacked, _averaged_shard]
+                    _write_base_read_view, _all_reduce_view_read_base, _padded, _erf_mse, _stacked, _averaged_shard,
+                    _gather_into_wide_buffer, _reduce_scatter_into_narrow_buffer]
 
 
 def _elementwise_case(reference: Callable, distributed: Callable | None = None) -> Case:
@@ -334,3 +351,28 @@ def test_in_place_write_through_an_alias_read_later_is_unsupported(body: Callabl
 def test_in_place_collective_on_a_view_read_through_its_base_is_unsupported() -> None:
     with pytest.raises(UnsupportedOp, match=r"c10d\.allreduce_ on aliased memory"):
         capture(_elementwise_case(lambda w, x: x * w, _all_reduce_view_read_base), 2)
+
+
+def _flat_all_gather(ys: list[torch.Tensor], rank: int) -> torch.Tensor:
+    return torch.cat([y.flatten() for y in ys]).view(ys[0].shape[0], -1)
+
+
+def _flat_reduce_scatter(ys: list[torch.Tensor], rank: int) -> torch.Tensor:
+    return torch.stack(ys).sum(0).flatten().chunk(len(ys))[rank].view(ys[0].shape[0], -1)
+
+
+@pytest.mark.parametrize(
+    ("body", "flat_semantics"),
+    [(_gather_into_wide_buffer, _flat_all_gather), (_reduce_scatter_into_narrow_buffer, _flat_reduce_scatter)],
+    ids=["all-gather", "reduce-scatter"],
+)
+def test_into_tensor_collectives_fill_the_buffer_as_flat_memory(body: Callable, flat_semantics: Callable) -> None:
+    """A buffer of another shape than the inputs stacked on dim 0 is filled in memory order."""
+    world_size = 2
+    captured = capture(_elementwise_case(lambda w, x: x * w, body), world_size)
+    torch.manual_seed(0)
+    inputs = (torch.randn(4, 6),)
+    leaves = _random_leaves(Elementwise(body), inputs)
+    sent = [inputs[0] * leaves["state:weight"] + rank for rank in range(world_size)]
+    for rank, outputs in enumerate(_run(captured.ranks, leaves)):
+        torch.testing.assert_close(outputs[0], flat_semantics(sent, rank))
