@@ -171,11 +171,19 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _trainable(state: dict, names: list[str], originals: dict | None = None) -> dict[str, torch.Tensor]:
     """Fresh leaf copies that require grad, so the step never writes into the caller's tensors.
-    They keep the Python attributes of the model's own parameters (e.g. Megatron's
-    `sequence_parallel` flag), which a user's step may read."""
+    They keep what user code attached to the model's own parameters: Python attributes (e.g.
+    Megatron's `sequence_parallel` flag), which a user's step may read, and gradient hooks
+    (`register_hook`, `register_post_accumulate_grad_hook`), so they fire as on the real model."""
     params = {name: state[name].detach().clone().requires_grad_() for name in names}
     for name, param in params.items():
-        param.__dict__.update(getattr((originals or {}).get(name), "__dict__", {}))
+        original = (originals or {}).get(name)
+        if original is None:
+            continue
+        param.__dict__.update(original.__dict__)
+        for hook in (original._backward_hooks or {}).values():
+            param.register_hook(hook)
+        for hook in (original._post_accumulate_grad_hooks or {}).values():
+            param.register_post_accumulate_grad_hook(hook)
     return params
 
 
