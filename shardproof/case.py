@@ -124,7 +124,12 @@ def _functions_defined_in(module: ModuleType) -> list[Callable]:
         if getattr(value, "__module__", None) != module.__name__:
             continue
         if isinstance(value, type):
-            found.extend(v for v in vars(value).values() if callable(v) and hasattr(v, "__code__"))
+            found.extend(v for v in map(unwrapped, vars(value).values()) if callable(v) and hasattr(v, "__code__"))
         elif callable(value) and hasattr(value, "__code__"):
             found.append(value)
     return found
+
+
+def unwrapped(member: Any) -> Any:
+    """The function behind a staticmethod or classmethod (an autograd Function's forward and backward)."""
+    return member.__func__ if isinstance(member, (staticmethod, classmethod)) else member

@@ -20,6 +20,7 @@ KIND_WORDS = {
     "scale": "wrong scale",
     "layout": "wrong layout",
     "wrong-group": "wrong group",
+    "double-reduction": "double reduction",
 }
 
 

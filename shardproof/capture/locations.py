@@ -20,6 +20,7 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import PythonKeyTracer
 from torch.fx.proxy import _register_stack_trace_anchor
 
+from shardproof.case import unwrapped
 from shardproof.ir.graph import Location
 
 _TORCH_DIR = str(Path(torch.__file__).parent)
@@ -41,7 +42,7 @@ def anchor_user_code(functions: list[Callable], case_dir: Path) -> None:
             continue
         for value in list(vars(module).values()):
             candidates = vars(value).values() if isinstance(value, type) else [value]
-            for fn in candidates:
+            for fn in map(unwrapped, candidates):
                 if hasattr(fn, "__code__") and fn.__code__.co_filename == path:
                     _anchor_code(fn.__code__)
 

@@ -192,6 +192,9 @@ class Diagnoser:
         miscounted = self._miscounted(parts)
         if miscounted is not None:
             extra, have, want = miscounted
+            repeated = self._double_reduction(rank, node)
+            if repeated is not None:
+                return repeated
             counted = f"after `{node.op}` the term {self.r.u.render(extra, 2)} is counted {have} times where the " \
                       f"reference counts it {want} times"
             if have == want * len(node.attrs[-1]):
@@ -216,6 +219,33 @@ class Diagnoser:
 
     def _coefficient(self, rank: int, node: Node) -> Fraction:
         return self.r.u[self.run.ranks[rank][node.id]].attrs[0][0]
+
+    def _double_reduction(self, rank: int, node: Node) -> Finding | None:
+        """A sum over ranks of an operand that an earlier sum over the same ranks produced: every
+        rank holds the whole, so summing again counts it once per rank."""
+        earlier = self._earlier_reduction(rank, node)
+        if earlier is None:
+            return None
+        group = list(node.attrs[-1])
+        where = f" at {earlier.loc.short()}" if earlier.loc is not None else ""
+        return Finding(
+            "discrepancy",
+            "double reduction",
+            f"double reduction: the operand of `{node.op}` is the result of the `{earlier.op}`{where}, already summed "
+            f"over ranks {group}; summing it again counts it {len(group)} times",
+            [(rank, node), (rank, earlier)],
+        )
+
+    def _earlier_reduction(self, rank: int, node: Node) -> Node | None:
+        """The all-reduce (sum) over the same ranks whose result `node`, another sum, reduces again."""
+        if node.op != "all_reduce" or node.attrs[0] != "sum":
+            return None
+        graph, terms = self.ranks[rank], self.run.ranks[rank]
+        operand = terms[node.inputs[0]]
+        for ancestor in reversed(graph.ancestors(graph[node.inputs[0]])):
+            if ancestor.op == "all_reduce" and ancestor.attrs == node.attrs and terms[ancestor.id] == operand:
+                return ancestor
+        return None
 
     def _uneven_pieces(self, rank: int, node: Node, pieces: list[tuple[int, Fraction]]) -> Finding:
         ranges = sorted((self.r.u[p].attrs[1], self.r.u[p].attrs[2], c) for p, c in pieces)

@@ -962,6 +962,10 @@ def _reduce(r: Rules, op: str, args, attrs, shape, dtype) -> int:
         inner_shape = tuple(s for d, s in enumerate(r.shape(x)) if d not in dims)
         return r.view(r.build(op, (x,), (dims, False), inner_shape, dtype), shape)
     term = r.u[x]
+    if op in ("sum", "amax") and term.op == "view":
+        unviewed = _reduce_through_view(r, op, x, dims, shape, dtype)
+        if unviewed is not None:
+            return unviewed
     if op == "sum" and term.op in ("lin", "piece"):
         return r._map_linear(x, lambda t: r.build(op, (t,), attrs, shape, dtype), shape)
     if op in _SPLIT_REDUCTIONS and term.op == "bcast" and term.dtype == real(dtype):
@@ -1004,6 +1008,26 @@ def _reduce_copies(r: Rules, op: str, x: int, dims: tuple[int, ...], shape, dtyp
     out = r.bcast(inner, shape, tuple(d - sum(1 for c in dims if c < d) for _, d in kept))
     copies = math.prod(term.shape[d] for d in dims if d not in placed)
     return r.scale(out, copies) if op == "sum" else out
+
+
+def _reduce_through_view(r: Rules, op: str, x: int, dims: tuple[int, ...], shape: tuple[int, ...], dtype: str) -> int | None:
+    """Reducing whole groups of a reshape reduces its source over those groups' source dims:
+    summing a flattened (b*s, h) over its rows sums (b, s, h) over b and s."""
+    term = r.u[x]
+    source = term.args[0]
+    groups = reshape_groups(r.shape(source), term.shape)
+    if groups is None:
+        return None
+    reduced, source_dims = set(dims), []
+    for gi, gj in groups:
+        if gj and set(gj) <= reduced:
+            source_dims.extend(gi)
+        elif reduced & set(gj):
+            return None
+    if not source_dims:  # only size-1 dims reduced
+        return r.view(source, shape)
+    kept = tuple(n for d, n in enumerate(r.shape(source)) if d not in source_dims)
+    return r.view(r.build(op, (source,), (tuple(sorted(source_dims)), False), kept, dtype), shape)
 
 
 def _softmax(r: Rules, op: str, args, attrs, shape, dtype) -> int:

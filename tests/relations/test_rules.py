@@ -838,6 +838,32 @@ def test_lin_of_a_cat_and_another_tensor_is_kept():
     b.check(total)
     assert b.op_of(total) == "lin"
 
+
+
+def _zero_padded(b: Build, x: V, dim: int, lo: int, hi: int) -> V:
+    """x[lo:hi] along `dim` put back in place with zeros around it: the gradient through a slice."""
+    parts = []
+    for a, z in ((0, lo), (lo, hi), (hi, x.shape[dim])):
+        if a == z:
+            continue
+        shape = tuple(z - a if d == dim else n for d, n in enumerate(x.shape))
+        parts.append(b.sl(x, dim, a, z) if (a, z) == (lo, hi) else b.scalar(0.0, shape))
+    return b.cat(parts, dim) if len(parts) > 1 else parts[0]
+
+
+@SETTINGS
+@given(st.integers(2, 8), st.integers(0, 1), st.data())
+def test_lin_of_zero_padded_shards_is_the_whole(size, dim, data):
+    """Each rank's slice gradient, zero-padded, summed over ranks (the all-reduce in the backward
+    of a copy into the tensor-parallel region) is the full gradient."""
+    b = Build()
+    g = b.leaf("g", (3, size) if dim else (size, 3))
+    points = data.draw(cuts(size))
+    total = b.add(*(_zero_padded(b, g, dim, lo, hi) for lo, hi in zip(points, points[1:])))
+    b.check(total)
+    assert total.term == g.term
+
+
 # --- matmul ----------------------------------------------------------------------------------------------
 @SETTINGS
 @given(st.integers(1, 4), st.integers(1, 4), st.integers(2, 6), st.data())
@@ -1066,6 +1092,29 @@ def test_reduce_over_sliced_ranges_combined_over_ranks_is_the_whole(op, size, ke
     moved = combine(*[b.sl(b.permute(p, flip), 0, 0, 1) for p in parts])  # layout ops pass through pieces
     assert moved.term == b.sl(b.permute(whole, flip), 0, 0, 1).term
     b.check(moved)
+
+
+@SETTINGS
+@given(st.lists(st.integers(2, 4), min_size=2, max_size=4), st.sampled_from(["sum", "amax"]), st.booleans(), st.data())
+def test_reduce_of_a_merging_view_reduces_the_source(shape, op, keepdim, data):
+    """Summing a flattened (b*s, h) over its rows sums (b, s, h) over b and s."""
+    shape = tuple(shape)
+    merged = data.draw(st.integers(1, len(shape) - 1))
+    flat = (math.prod(shape[:merged]),) + shape[merged:]
+    b = Build()
+    x = b.leaf("x", shape)
+    y = b.op(op, b.view(x, flat), attrs=((0,), keepdim))
+    b.check(y)
+    direct = b.op(op, x, attrs=(tuple(range(merged)), False))
+    assert y.term == b.view(direct, y.shape).term
+
+
+def test_reduce_of_a_view_splitting_a_reduced_group_stays_literal():
+    b = Build()
+    x = b.leaf("x", (6, 4))
+    y = b.op("sum", b.view(x, (2, 12)), attrs=((0,), False))
+    b.check(y)
+    assert b.op_of(y) == "sum"
 
 
 def test_max_pieces_are_never_summed():
