@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions, ReduceScatterOptions
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss as loss_module
 from torch.testing._internal.distributed.multi_threaded_pg import (
     ProcessLocalGroup,
     _install_threaded_pg,
@@ -192,7 +193,7 @@ def _run_ranks(fn: Callable[[int], Any], world_size: int) -> tuple[list[Any], li
     torch._C._distributed_c10d._set_thread_isolation_mode(True)
     _install_threaded_pg()
     try:
-        with _flat_buffer_collectives():
+        with _flat_buffer_collectives(), _loss_parallel_shared_by_threads():
             for thread in threads:
                 thread.start()
             hung = _join(threads)
@@ -223,6 +224,33 @@ def _flat_buffer_collectives() -> Iterator[None]:
         yield
     finally:
         ProcessLocalGroup.all_gather_single, ProcessLocalGroup.reduce_scatter_single = originals
+
+
+@contextmanager
+def _loss_parallel_shared_by_threads() -> Iterator[None]:
+    """`loss_parallel()` installs DTensor op handlers process-wide on entry and removes them on
+    exit; with every rank a thread, the first rank to leave would pull them from under the others.
+    Count the ranks inside: install on the first entry, remove on the last exit."""
+    lock, inside = threading.Lock(), [0]
+    originals = loss_module._enable_custom_loss_ops, loss_module._disable_custom_loss_ops
+
+    def enable() -> None:
+        with lock:
+            inside[0] += 1
+            if inside[0] == 1:
+                originals[0]()
+
+    def disable() -> None:
+        with lock:
+            inside[0] -= 1
+            if inside[0] == 0:
+                originals[1]()
+
+    loss_module._enable_custom_loss_ops, loss_module._disable_custom_loss_ops = enable, disable
+    try:
+        yield
+    finally:
+        loss_module._enable_custom_loss_ops, loss_module._disable_custom_loss_ops = originals
 
 
 def _join(threads: list[threading.Thread]) -> list[int]:

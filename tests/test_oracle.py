@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 
 from shardproof.case import Case
 from shardproof.oracle import run_numeric
@@ -152,4 +153,40 @@ def test_all_gather_into_a_buffer_of_another_shape_fills_flat_memory() -> None:
     case = Case(reference=lambda: _WideGather(False), distributed=lambda rank, n: _WideGather(True),
                 inputs=lambda: (torch.randn(3, HIDDEN),))
     result = run_numeric(case, 2)
+    assert result.agree, result.detail
+
+
+class _Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(HIDDEN, FFN, bias=False)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.out(x)
+
+
+def _vocab_sharded_head(rank: int, n: int) -> nn.Module:
+    plan = {"out": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    return parallelize_module(_Head(), init_device_mesh("cpu", (n,)), plan)
+
+
+def _cross_entropy(logits: torch.Tensor, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits, labels)
+
+
+def _loss_parallel_step(model: nn.Module, inputs: tuple, rank: int, n: int) -> torch.Tensor:
+    with loss_parallel():
+        loss = _cross_entropy(model(*inputs), *inputs)
+        loss.backward()
+    return loss
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_loss_parallel_runs_on_every_rank_thread(world_size: int) -> None:
+    """loss_parallel() installs process-wide handlers: one rank leaving it must not remove them
+    from the ranks still inside."""
+    case = Case(reference=_Head, distributed=_vocab_sharded_head,
+                inputs=lambda: (torch.randn(6, HIDDEN), torch.arange(6) * 5 % FFN),
+                loss=_cross_entropy, distributed_step=_loss_parallel_step, mode="train")
+    result = run_numeric(case, world_size)
     assert result.agree, result.detail
