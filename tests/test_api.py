@@ -26,8 +26,6 @@ KIND_WORDS = {
 
 # Capabilities not there yet, each a strict xfail so the list shrinks as they land.
 KNOWN_GAPS: dict[str, str] = {
-    "grpo-nonautograd-allreduce_buggy": "no lowering or rules for the one-hot scatters of cross entropy's backward (aten.scatter_add of gather's backward, x[arange, idx] -= v in Megatron's vocab-parallel backward)",
-    "grpo-nonautograd-allreduce_fixed": "no lowering or rules for the one-hot scatters of cross entropy's backward (aten.scatter_add of gather's backward, x[arange, idx] -= v in Megatron's vocab-parallel backward)",
     "log-softmax-bwd-identity_buggy": "no lowering for aten.nll_loss_forward / nll_loss_backward, and no rules for the one-hot scatter of loss_parallel's backward",
     "log-softmax-bwd-identity_fixed": "no lowering for aten.nll_loss_forward / nll_loss_backward, and no rules for the one-hot scatter of loss_parallel's backward",
 }

@@ -142,26 +142,39 @@ class Lowerer:
         lower = _LOWER.get(key) or (_LOWER.get(key.removesuffix("_")) if written else None)
         if lower is None:
             raise UnsupportedOp(key, _at(self.locate(node)))
-        if written and not _only_metadata(node):
-            self.check_no_stale_alias(node, key, written)
+        reshapes = self.aliases_read_later(node, key, written) if written and not _only_metadata(node) else []
         kwargs = {k: v for k, v in node.kwargs.items() if v not in written}  # out= holds a result, not an operand
-        return lower(self, *node.args, **kwargs)
+        result = lower(self, *node.args, **kwargs)
+        if reshapes and not isinstance(result, int):
+            raise UnsupportedOp(f"in-place {key} on aliased memory", _at(self.locate(node)))
+        for alias in reshapes:  # later reads of a whole reshape of the written tensor see the write
+            self.env[alias] = _as_buffer(self, result, tuple(alias.meta["val"].shape))
+        return result
 
-    def check_no_stale_alias(self, node: fx.Node, key: str, written: list[fx.Node]) -> None:
-        """After a write, a read through any older node sharing the storage would see stale data."""
+    def aliases_read_later(self, node: fx.Node, key: str, written: list[fx.Node]) -> list[fx.Node]:
+        """After a write, older nodes sharing the storage that are read again. A whole reshape of
+        the written tensor (same contiguous memory: Megatron's `grad_2d = grad.view(-1, v)`) is
+        returned, to be re-bound to the new value; any other alias would see stale data."""
         here = self._order[node]
-        for storage in {_storage(w) for w in written} - {None}:
-            for alias in self._sharing[storage]:
+        reshapes = []
+        for target in written:
+            storage = _storage(target)
+            for alias in self._sharing.get(storage, []) if storage is not None else []:
                 if self._order[alias] >= here:
                     continue
                 stale = [user for user in alias.users if self._order[user] > here and user in self._live]
-                if stale:
-                    read = _at(self.locate(stale[0])) or ("the output" if stale[0].op == "output" else stale[0].name)
-                    raise UnsupportedOp(
-                        f"in-place {key} on aliased memory",
-                        f"{_at(self.locate(node))} (`{alias.name}` shares that memory and is read again at "
-                        f"{read}; shardproof's IR has no aliasing: write out of place instead)",
-                    )
+                if not stale:
+                    continue
+                if len(written) == 1 and _whole_reshape(alias, target):
+                    reshapes.append(alias)
+                    continue
+                read = _at(self.locate(stale[0])) or ("the output" if stale[0].op == "output" else stale[0].name)
+                raise UnsupportedOp(
+                    f"in-place {key} on aliased memory",
+                    f"{_at(self.locate(node))} (`{alias.name}` shares that memory and is read again at "
+                    f"{read}; shardproof's IR has no aliasing: write out of place instead)",
+                )
+        return reshapes
 
 
 def node_name(node: fx.Node | None) -> str:
@@ -184,6 +197,14 @@ def _storage(node: fx.Node) -> StorageWeakRef | None:
     if not isinstance(val, torch.Tensor):
         return None
     return StorageWeakRef(val.untyped_storage())
+
+
+def _whole_reshape(a: fx.Node, b: fx.Node) -> bool:
+    """Both values are the same contiguous memory from its start, read in (possibly) other shapes."""
+    x, y = a.meta.get("val"), b.meta.get("val")
+    return all(
+        isinstance(t, torch.Tensor) and t.is_contiguous() and t.storage_offset() == 0 for t in (x, y)
+    ) and x.numel() == y.numel() and x.dtype == y.dtype
 
 
 def _nodes_by_storage(graph: fx.Graph) -> dict[StorageWeakRef, list[fx.Node]]:
@@ -626,6 +647,28 @@ def _gather(lo: Lowerer, x, dim: int, index, sparse_grad: bool = False) -> int:
     return lo.emit("gather", (value, lo.tensor(index)), (_dim(dim, len(lo.shape(value))),))
 
 
+def _clamp(lo: Lowerer, x, min=None, max=None) -> int:
+    """clamp(x, min, max) = minimum(maximum(x, min), max)."""
+    value = lo.tensor(x)
+    for op, bound in (("maximum", min), ("minimum", max)):
+        if bound is not None:
+            value = lo.emit(op, (value, broadcast_to(lo, lo.tensor(bound), lo.shape(value))), (), lo.shape(value), lo.dtype(value))
+    return value
+
+
+def _scatter(op: str) -> Callable[..., int]:
+    """scatter / scatter_add with a src tensor, or scatter with a scalar value (broadcast to the index)."""
+
+    def lower(lo: Lowerer, x, dim: int, index, src, **kwargs) -> int:
+        if kwargs.get("reduce") is not None:
+            raise UnsupportedOp(f"{op} with reduce={kwargs['reduce']}", _at(lo.locate(lo.current)))
+        value, where = lo.tensor(x), lo.tensor(index)
+        source = broadcast_to(lo, lo.tensor(src), lo.shape(where))
+        return lo.emit(op, (value, where, source), (_dim(dim, len(lo.shape(value))),))
+
+    return lower
+
+
 def _index(lo: Lowerer, x, indices) -> int:
     """`x[arange(n), idx]`, entry idx[i] of row i: a gather along dim 1 (cross entropy's label
     lookup). When x and idx are flattenings of the same leading dims, the gather is taken on the
@@ -676,14 +719,18 @@ def _masked_fill(lo: Lowerer, x, mask, value) -> int:
 
 
 def _index_put(lo: Lowerer, x, indices, values, accumulate: bool = False) -> int:
-    """`x[mask] = v` with one boolean mask over leading dims: the only form shardproof reasons about."""
+    """`x[mask] = v` with one boolean mask over leading dims, or `x[arange(n), idx] = v` (`+=` with
+    accumulate), entry idx[i] of row i: a scatter along dim 1 (a one-hot write, as cross
+    entropy's backward spells it)."""
     target = lo.tensor(x)
+    if len(indices) == 2 and all(isinstance(i, fx.Node) for i in indices):
+        return _row_wise_put(lo, target, *(lo.tensor(i) for i in indices), values, accumulate)
     masks = [i for i in indices if i is not None]
     if accumulate or len(masks) != 1 or len(indices) != 1:
-        raise UnsupportedOp("index_put other than x[bool_mask] = value")
+        raise UnsupportedOp("index_put other than x[bool_mask] = value or x[arange(n), idx] = v", _at(lo.locate(lo.current)))
     mask = lo.tensor(masks[0])
     if lo.dtype(mask) != "bool":
-        raise UnsupportedOp("index_put with integer indices")
+        raise UnsupportedOp("index_put with integer indices", _at(lo.locate(lo.current)))
     shape = lo.shape(target)
     mask_shape = lo.shape(mask)
     padded = mask_shape + (1,) * (len(shape) - len(mask_shape))
@@ -692,6 +739,22 @@ def _index_put(lo: Lowerer, x, indices, values, accumulate: bool = False) -> int
     mask = broadcast_to(lo, mask, shape)
     value = broadcast_to(lo, lo.tensor(values), shape)
     return lo.emit("where", (mask, value, target), (), shape, lo.dtype(target))
+
+
+def _row_wise_put(lo: Lowerer, target: int, rows: int, idx: int, values, accumulate: bool) -> int:
+    """`x[arange(n), idx] = v`, on the unflattened tensors when x and idx flatten the same leading
+    dims (as in `_index`, so the write meets the lookup `x[arange(n), idx]` read)."""
+    shape = lo.shape(target)
+    if len(shape) != 2 or not _is_arange(lo, rows, shape[0]) or lo.shape(idx) != shape[:1]:
+        raise UnsupportedOp("index_put other than x[bool_mask] = value or x[arange(n), idx] = v", _at(lo.locate(lo.current)))
+    table, ids = _unflattened(lo, target, idx)
+    lead = lo.shape(ids)
+    column_shape = lead + (1,)
+    index = lo.emit("view", (ids,), (column_shape,), column_shape, lo.dtype(ids))
+    source = lo.tensor(values)
+    source = lo.emit("view", (broadcast_to(lo, source, shape[:1]),), (column_shape,), column_shape, lo.dtype(target))
+    written = lo.emit("scatter_add" if accumulate else "scatter", (table, index, source), (len(lead),), lo.shape(table), lo.dtype(target))
+    return _as_buffer(lo, written, shape)
 
 
 def _full(lo: Lowerer, size, fill_value, **kwargs) -> int:
@@ -857,6 +920,11 @@ _LOWER: dict[str, Callable[..., Value]] = {
     "aten.embedding": _embedding,
     "aten.gather": _gather,
     "aten.index": _index,
+    "aten.clamp": _clamp,
+    "aten.clamp_min": lambda lo, x, min: _clamp(lo, x, min=min),
+    "aten.clamp_max": lambda lo, x, max: _clamp(lo, x, max=max),
+    "aten.scatter": _scatter("scatter"),
+    "aten.scatter_add": _scatter("scatter_add"),
     "aten.full": _full,
     "aten.full_like": lambda lo, x, fill_value, **kw: lo.emit("const", (), (("full", fill_value),)),
     "aten.new_full": lambda lo, x, size, fill_value, **kw: lo.emit("const", (), (("full", fill_value),)),

@@ -19,7 +19,7 @@ Impl = Callable[[list[torch.Tensor], tuple[Any, ...]], torch.Tensor]
 @dataclass(frozen=True)
 class OpSpec:
     name: str
-    kind: str  # leaf const layout unary binary compare where reduce softmax matmul embedding gather mask collective
+    kind: str  # leaf const layout unary binary compare where reduce softmax matmul embedding gather scatter mask collective
     impl: Impl | None
     doc: str
 
@@ -95,6 +95,10 @@ _SPECS = [
     OpSpec("matmul", "matmul", _binary(torch.matmul), "torch.matmul: batch dims broadcast, contracts last of x with -2 of y"),
     OpSpec("embedding", "embedding", lambda xs, a: F.embedding(xs[1], xs[0]), "rows of weight xs[0] at ids xs[1]"),
     OpSpec("gather", "gather", lambda xs, a: torch.gather(xs[0], a[0], xs[1]), "torch.gather(xs[0], attrs[0], index xs[1])"),
+    OpSpec("scatter", "scatter", lambda xs, a: torch.scatter(xs[0], a[0], xs[1], xs[2]),
+           "xs[0] with the entries at index xs[1] along attrs[0] replaced by xs[2] (gather's inverse)"),
+    OpSpec("scatter_add", "scatter", lambda xs, a: torch.scatter_add(xs[0], a[0], xs[1], xs[2]),
+           "xs[0] plus xs[2] added at index xs[1] along attrs[0] (gather's backward)"),
     OpSpec("triu", "mask", lambda xs, a: torch.triu(xs[0], a[0]), "upper triangle from diagonal attrs[0]"),
     OpSpec("tril", "mask", lambda xs, a: torch.tril(xs[0], a[0]), "lower triangle from diagonal attrs[0]"),
     OpSpec("index_put", "where", None, "x with positions where mask is true set to value: lowered to where"),

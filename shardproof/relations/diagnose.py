@@ -88,7 +88,10 @@ class Diagnoser:
                 return found
             if OPS[node.op].kind == "collective":
                 return self._at_collective(rank, node)
-            return self._at_op(rank, node)
+            # a partial sum consumed along the chain is a fault by itself; other divergences may
+            # be its consequences (a max's gradient through the unreduced sum, say)
+            consumer = next((n for n in chain if self._partial_inputs(rank, n)), node)
+            return self._at_op(rank, consumer)
         rank, index = mismatched_outputs[0]
         node = self.ranks[rank][self.ranks[rank].outputs[index]]
         return self._at_output(rank, node)
@@ -277,9 +280,13 @@ class Diagnoser:
         return None
 
     # --- an op whose value the reference never computes ----------------------------------------------
-    def _at_op(self, rank: int, node: Node) -> Finding:
+    def _partial_inputs(self, rank: int, node: Node) -> list[int]:
+        """The terms of `node`'s operands that are partial sums (or maxes) over ranks."""
         terms = self.run.ranks[rank]
-        partial_inputs = [terms[i] for i in node.inputs if self.partial(terms[i])]
+        return [terms[i] for i in node.inputs if self.partial(terms[i])]
+
+    def _at_op(self, rank: int, node: Node) -> Finding:
+        partial_inputs = self._partial_inputs(rank, node)
         if partial_inputs:
             origin = self._piece_origin(rank, node)
             return Finding(
@@ -505,6 +512,10 @@ class Diagnoser:
         if miscounted is not None:
             extra, have, want = miscounted
             culprit = self._introducing(rank, node, lambda x: self._scaled(x))
+            if OPS[culprit.op].kind == "collective":
+                repeated = self._double_reduction(rank, culprit)
+                if repeated is not None:
+                    return repeated
             return Finding(
                 "discrepancy",
                 "wrong scale",

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 
 from shardproof.ir.ops import OPS, run_op
+from shardproof.relations.assume import interval, rebuild
 from shardproof.relations.layout import Box, box_shape, compose, full_box, reshape_groups, view_of_box
 from shardproof.relations.universe import Universe
 
@@ -42,6 +43,7 @@ class Rules:
         self.u = universe or Universe()
         self.reference_size: int | None = None  # terms below this id were built by the reference
         self.reference_boxes: dict[int, set[Box]] = {}  # root -> boxes the reference sliced it to
+        self.reference_one_hots: dict[tuple[int, int], set[int]] = {}  # (dim, index) -> widths the reference wrote
 
     def in_reference(self, t: int) -> bool:
         """Where two normal forms are both true, rules prefer the one the reference built."""
@@ -594,6 +596,8 @@ class Rules:
         if term.op == "bcast":
             inner_dims = tuple(dims[d] for d in term.attrs[0])
             return self.bcast(term.args[0], shape, inner_dims)
+        if term.op in ("lin", "piece") and tuple(dims) != tuple(range(len(shape))):
+            return self._map_linear(base, lambda t: self.bcast(t, shape, dims), shape)
         if term.op == "full":
             return self.literal("full", (), term.attrs, shape, term.dtype)
         if tuple(dims) == tuple(range(len(shape))):
@@ -788,7 +792,7 @@ def _is_finite_number(value: Any) -> bool:
 # --- rule templates per op kind ---------------------------------------------------------------------
 # Ops whose value on constants is exact in floating point: folding them changes no value.
 _EXACT_ON_CONSTANTS = {"abs", "maximum", "minimum", "logical_not", "logical_and", "logical_or", "lt", "le", "gt", "ge",
-                       "eq", "ne"}
+                       "eq", "ne", "convert"}
 
 
 def _elementwise(r: Rules, op: str, args: tuple[int, ...], attrs: tuple, shape: tuple[int, ...], dtype: str) -> int:
@@ -825,7 +829,12 @@ def _elementwise(r: Rules, op: str, args: tuple[int, ...], attrs: tuple, shape: 
         inner = [_unview(r, b, source) for b in args] if source is not None else [None]
         if None not in inner:
             return r.view(r.build(op, tuple(inner), attrs, source, dtype), shape)
+    if op in _COMMUTATIVE:
+        args = tuple(sorted(args))  # a * b and b * a are one term
     return r.literal(op, args, attrs, shape, dtype)
+
+
+_COMMUTATIVE = {"mul", "maximum", "minimum", "logical_and", "logical_or", "eq", "ne"}
 
 
 def _viewed_from(r: Rules, t: int) -> tuple[int, ...] | None:
@@ -916,7 +925,40 @@ def _mul(r: Rules, args, attrs, shape, dtype) -> int:
         other = args[1 - i]
         if r.op(a) == "piece" and r.op(other) != "piece":
             return r._map_linear(a, lambda t: r.build("mul", (t, other), attrs, shape, dtype), shape)
+    for i, a in enumerate(args):
+        flag = r.u[a]
+        if flag.op == "convert" and r.u[flag.args[0]].dtype == "bool":  # x * float(m) = where(m, x, 0)
+            zero = r.literal("full", (), (0.0,), shape, dtype)
+            return r.build("where", (flag.args[0], args[1 - i], zero), (), shape, dtype)
+    for i, a in enumerate(args):
+        absorbed = _one_hot_times(r, a, args[1 - i], attrs, shape, dtype)
+        if absorbed is not None:
+            return absorbed
     return _elementwise(r, "mul", args, attrs, shape, dtype)
+
+
+def _one_hot_times(r: Rules, a: int, factor: int, attrs, shape, dtype) -> int | None:
+    """A one-hot (or a sum with one) times a factor that is constant along its dim: the factor
+    moves into the written values, onto each term of the sum."""
+    term = r.u[a]
+    hots = [t for t in (term.args if term.op == "lin" else (a,)) if _is_one_hot(r, t)]
+    if not hots or not all(_constant_along(r, factor, r.u[h].attrs[0]) for h in hots):
+        return None
+    if term.op == "lin":
+        return r.lin([(r.build("mul", (t, factor), attrs, shape, dtype), c) for t, c in zip(term.args, term.attrs[0])])
+    zeros, index, src = term.args
+    row = r.slice(factor, tuple((0, n) for n in r.shape(index)))
+    return r.build("scatter_add", (zeros, index, r.build("mul", (src, row), attrs, r.shape(src), dtype)), term.attrs, shape, dtype)
+
+
+def _is_one_hot(r: Rules, t: int) -> bool:
+    term = r.u[t]
+    return term.op == "scatter_add" and r.full_value(term.args[0]) == 0
+
+
+def _constant_along(r: Rules, t: int, dim: int) -> bool:
+    term = r.u[t]
+    return term.op == "full" or (term.op == "bcast" and dim not in term.attrs[0])
 
 
 def _div(r: Rules, args, attrs, shape, dtype) -> int:
@@ -962,6 +1004,8 @@ def _reduce(r: Rules, op: str, args, attrs, shape, dtype) -> int:
         inner_shape = tuple(s for d, s in enumerate(r.shape(x)) if d not in dims)
         return r.view(r.build(op, (x,), (dims, False), inner_shape, dtype), shape)
     term = r.u[x]
+    if op == "sum" and _is_one_hot(r, x) and term.attrs[0] in dims:
+        return r.build("sum", (term.args[2],), attrs, shape, dtype)  # one entry per row: the written values
     if op in ("sum", "amax") and term.op == "view":
         unviewed = _reduce_through_view(r, op, x, dims, shape, dtype)
         if unviewed is not None:
@@ -1211,6 +1255,9 @@ def _where(r: Rules, op: str, args, attrs, shape, dtype) -> int:
     if chosen is not None:
         return when_true if chosen else when_false
     masked = _masked_lookup(r, cond, when_true, when_false)
+    if masked is None and r.full_value(when_false) == 0:
+        negated = r.build("logical_not", (cond,), (), shape, r.u[cond].dtype)
+        masked = _masked_lookup(r, negated, when_false, when_true)
     if masked is not None:
         return masked
     return _elementwise(r, op, (cond, when_true, when_false), attrs, shape, dtype)
@@ -1221,8 +1268,7 @@ def _gather(r: Rules, op: str, args, attrs, shape, dtype) -> int:
     elementwise along the other dims (slices there, and any slice of the index, move out)."""
     x, index = args
     (dim,) = attrs
-    masked_index = r.u[_unbroadcast(r, index)]
-    if masked_index.op == "where" and _share_lookup(r, x, index, dim, masked_index.args[0]) is not None:
+    if _local_lookup(r, x, index, dim):
         # one rank's lookup into its shard of the table: kept whole, so the mask that zeroes the
         # entries other ranks own can make it a piece (see _masked_lookup)
         return r.literal(op, args, attrs, shape, dtype)
@@ -1236,6 +1282,21 @@ def _gather(r: Rules, op: str, args, attrs, shape, dtype) -> int:
         return r.bcast(r.slice(term.args[0], tuple((0, shape[d]) for d in placed)), shape, placed)
     moved = _gather_regions(r, x, index, dim, attrs, dtype)
     return moved if moved is not None else r.literal(op, args, attrs, shape, dtype)
+
+
+def _local_lookup(r: Rules, table: int, index: int, dim: int) -> bool:
+    """A lookup into the [lo, hi) shard of a table along `dim` with ids - lo, masked to the shard
+    (where) or clamped to it."""
+    masked_index = r.u[_unbroadcast(r, index)]
+    if masked_index.op == "where":
+        return _share_lookup(r, table, index, dim, masked_index.args[0]) is not None
+    root, box = r.as_region(table)
+    lo, hi = box[dim]
+    if root == table or (lo, hi) == (0, r.shape(root)[dim]):
+        return False
+    shifted = _unbroadcast(r, index)
+    ids = _shifted_ids(r, shifted, lo)
+    return ids is not None and r.shape(ids) == r.shape(shifted) and _is_shift_of(r, shifted, ids, lo, hi, {})
 
 
 def _gather_regions(r: Rules, x: int, index: int, dim: int, attrs: tuple, dtype: str) -> int | None:
@@ -1310,7 +1371,9 @@ def _share_lookup(r: Rules, table: int, index: int, axis: int, mask: int) -> tup
     if outside is None or outside[1:] != (lo, hi):
         return None
     ids, shifted = outside[0], _unbroadcast(r, index)
-    if r.shape(ids) != r.shape(shifted) or not _is_shift_of(r, shifted, ids, -lo, mask):
+    outside_mask = _unbroadcast(r, mask)
+    assumed = {outside_mask: r.const(("full", False), r.shape(outside_mask), "bool")}
+    if r.shape(ids) != r.shape(shifted) or not _is_shift_of(r, shifted, ids, lo, hi, assumed):
         return None
     return root, ids, lo, hi
 
@@ -1356,13 +1419,129 @@ def _compare_const(r: Rules, t: int) -> tuple[int, str, Any] | None:
     return term.args[0], op, value + shift
 
 
-def _is_shift_of(r: Rules, shifted: int, ids: int, offset: int, cond: int) -> bool:
-    """`shifted` equals ids + offset wherever the mask is false."""
-    term = r.u[shifted]
-    if term.op == "where" and _unbroadcast(r, term.args[0]) == _unbroadcast(r, cond):
-        shifted = term.args[2]
-    offset_term = r.literal("full", (), (offset,), r.shape(ids), r.u[ids].dtype)
-    return shifted == r.lin([(ids, Fraction(1)), (offset_term, Fraction(1))])
+def _is_shift_of(r: Rules, shifted: int, ids: int, lo: int, hi: int, assumed: dict[int, int]) -> bool:
+    """`shifted` is ids - lo wherever ids lies in [lo, hi) (with the terms of `assumed`, a mask
+    testing that, replaced by their values there); an index clamped to the shard counts."""
+    offset = r.literal("full", (), (-lo,), r.shape(ids), r.u[ids].dtype)
+    local = r.view(r.lin([(ids, Fraction(1)), (offset, Fraction(1))]), r.shape(shifted))
+    return rebuild(r, shifted, assumed, {ids: (Fraction(lo), Fraction(hi - 1))}) == local
+
+
+def _shifted_ids(r: Rules, index: int, lo: int) -> int | None:
+    """The ids of an index spelled ids - lo (perhaps clamped to the shard, perhaps reshaped)."""
+    term = r.u[index]
+    if term.op in ("bcast", "view"):
+        return _shifted_ids(r, term.args[0], lo)
+    if term.op in ("maximum", "minimum"):
+        varying = [a for a in term.args if r.full_value(a) is None]
+        return _shifted_ids(r, varying[0], lo) if len(varying) == 1 else None
+    if term.op == "lin" and len(term.args) == 2:
+        for (t, c), (k, kc) in itertools.permutations(zip(term.args, term.attrs[0])):
+            if c == 1 and r.full_value(k) is not None and r.full_value(k) * kc == -lo:
+                return t
+    return index if lo == 0 else None  # ids - 0 is ids
+
+
+def _exp(r: Rules, args, attrs, shape, dtype) -> int:
+    """exp(a - log b) = exp(a) / b (and exp(a + log b) = exp(a) * b): the exp of a log-softmax (its
+    backward takes one) is the softmax exp(x - m) / sum(exp(x - m)) a vocab-parallel loss spells."""
+    term = r.u[args[0]]
+    if term.op == "lin":
+        for i, (t, c) in enumerate(zip(term.args, term.attrs[0])):
+            inner = r.u[_unbroadcast(r, t)]
+            if c in (1, -1) and inner.op == "log":
+                base = inner.args[0] if t == _unbroadcast(r, t) else r.bcast(inner.args[0], shape, r.u[t].attrs[0])
+                rest = r.lin([(a, k) for j, (a, k) in enumerate(zip(term.args, term.attrs[0])) if j != i])
+                power = r.build("exp", (rest,), attrs, shape, dtype)
+                return r.build("div" if c == -1 else "mul", (power, base), (), shape, dtype)
+    return _elementwise(r, "exp", args, attrs, shape, dtype)
+
+
+def _scatter(r: Rules, op: str, args, attrs, shape, dtype) -> int:
+    """Writes of one entry per row along `dim` (the index has size 1 there). Normal form: a one-hot
+    scatter_add(0, dim, index, values). A write into x is x plus the one-hot of the change; a rank's
+    one-hot of the ids in its range [lo, hi) is the [lo, hi) slice of the one-hot over the axis."""
+    base, index, src = args
+    (dim,) = attrs
+    if r.shape(index)[dim] != 1:
+        return r.literal(op, args, attrs, shape, dtype)
+    zeros = r.literal("full", (), (0.0 if dtype in FLOAT_DTYPES else 0,), shape, dtype)
+    if r.full_value(base) != 0:
+        change = src
+        if op == "scatter":
+            here = r.build("gather", (base, index), attrs, r.shape(index), dtype)
+            change = r.lin([(src, Fraction(1)), (here, Fraction(-1))])
+        one_hot = r.build("scatter_add", (zeros, index, change), attrs, shape, dtype)
+        return r.lin([(base, Fraction(1)), (one_hot, Fraction(1))])
+    if r.full_value(src) == 0:
+        return zeros
+    values = r.u[src]
+    if values.op == "lin" and len(values.args) == 1:  # linear in the values: scale outside
+        return r.scale(r.build("scatter_add", (zeros, index, values.args[0]), attrs, shape, dtype), values.attrs[0][0])
+    local = _local_one_hot(r, index, src, dim, shape, dtype)
+    if local is not None:
+        return local
+    if r.reference_size is None:
+        r.reference_one_hots.setdefault((dim, index), set()).add(shape[dim])
+    return r.literal("scatter_add", (zeros, index, src), attrs, shape, dtype)
+
+
+def _local_one_hot(r: Rules, index: int, src: int, dim: int, shape, dtype) -> int | None:
+    """scatter_add(0, dim, I, S) on a rank owning [lo, hi) of the axis, where S is zero for ids
+    outside [lo, hi) and I is ids - lo inside it: the [lo, hi) slice of scatter_add(0, dim, ids, S')
+    with S' the values inside, over the axis width the reference wrote such a one-hot with."""
+    for mask, (ids, lo, hi, outside) in _range_masks(r, src):
+        if hi - lo != shape[dim] or r.u[ids].shape and math.prod(r.shape(ids)) != math.prod(r.shape(index)):
+            continue
+        true, false = (r.const(("full", v), r.shape(mask), "bool") for v in (True, False))
+        inside, beyond = (false, true) if outside else (true, false)
+        if r.full_value(rebuild(r, src, {mask: beyond}, {})) != 0 or not _is_shift_of(r, index, ids, lo, hi, {mask: inside}):
+            continue
+        whole_index = r.view(ids, r.shape(index))
+        widths = sorted(w for w in r.reference_one_hots.get((dim, whole_index), ()) if w >= hi)
+        if not widths:
+            continue
+        whole_shape = tuple(widths[0] if d == dim else n for d, n in enumerate(shape))
+        zeros = r.literal("full", (), (0.0 if dtype in FLOAT_DTYPES else 0,), whole_shape, dtype)
+        values = rebuild(r, src, {mask: inside}, {})
+        whole = r.build("scatter_add", (zeros, whole_index, values), (dim,), whole_shape, dtype)
+        return r.slice(whole, tuple((lo, hi) if d == dim else (0, n) for d, n in enumerate(shape)))
+    return None
+
+
+def _range_masks(r: Rules, t: int) -> list[tuple[int, tuple[int, int, int, bool]]]:
+    """The boolean terms inside `t` that test ids against a range: (mask, (ids, lo, hi, outside)),
+    outside True for `ids < lo | ids >= hi`, False for `lo <= ids < hi`."""
+    found, seen, stack = [], set(), [t]
+    while stack:
+        x = stack.pop()
+        if x in seen:
+            continue
+        seen.add(x)
+        term = r.u[x]
+        if term.dtype == "bool":
+            beyond = _outside_range(r, x)
+            within = _inside_range(r, x)
+            if beyond is not None:
+                found.append((x, (*beyond, True)))
+            elif within is not None:
+                found.append((x, (*within, False)))
+        stack.extend(term.args)
+    return found
+
+
+def _inside_range(r: Rules, mask: int) -> tuple[int, int, int] | None:
+    """Recognize `ids >= lo & ids < hi` as (ids, lo, hi)."""
+    term = r.u[mask]
+    if term.op != "logical_and" or len(term.args) != 2:
+        return None
+    bounds = [_compare_const(r, a) for a in term.args]
+    if None in bounds or bounds[0][0] != bounds[1][0]:
+        return None
+    limits = {b[1]: b[2] for b in bounds}
+    if "ge" in limits and "lt" in limits:
+        return bounds[0][0], int(limits["ge"]), int(limits["lt"])
+    return None
 
 
 def _keep_literal(r: Rules, op: str, args, attrs, shape, dtype) -> int:
@@ -1426,6 +1605,7 @@ _BY_OP: dict[str, Callable[..., int]] = {
     "mul": _mul,
     "div": _div,
     "log": _log,
+    "exp": _exp,
     "log_softmax": _log_softmax,
     **{op: lambda r, args, attrs, shape, dtype, op=op: _logical(r, op, args, attrs, shape, dtype) for op in ("logical_and", "logical_or", "logical_not")},
 }
@@ -1440,5 +1620,6 @@ _BY_KIND: dict[str, Callable[..., int]] = {
     "matmul": _matmul,
     "embedding": _embedding,
     "gather": _gather,
+    "scatter": _scatter,
     "mask": _keep_literal,
 }

@@ -305,8 +305,9 @@ def _elementwise_case(reference: Callable, distributed: Callable | None = None) 
     return _case(lambda: Elementwise(reference), lambda r, n: Elementwise(distributed), lambda: (torch.randn(4, 6),))
 
 
-@pytest.mark.parametrize("body", [_in_place_chain, _copy_into_zeros], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("body", [_in_place_chain, _copy_into_zeros, _write_base_read_view], ids=lambda f: f.__name__)
 def test_in_place_ops_lower_as_their_out_of_place_meaning(body: Callable) -> None:
+    """A write through a whole reshape of a tensor is seen by later reads of the tensor."""
     _assert_ir_computes(body)
 
 
@@ -336,11 +337,8 @@ def _assert_ir_computes(body: Callable) -> None:
 
 @pytest.mark.parametrize(
     ("body", "line"),
-    [
-        (_write_view_read_base, "y[:, 0] = 0.0"),
-        (_write_base_read_view, "y.mul_(3)"),
-    ],
-    ids=["write-view-read-base", "write-base-read-view"],
+    [(_write_view_read_base, "y[:, 0] = 0.0")],
+    ids=["write-view-read-base"],
 )
 def test_in_place_write_through_an_alias_read_later_is_unsupported(body: Callable, line: str) -> None:
     with pytest.raises(UnsupportedOp, match="aliased memory") as raised:

@@ -9,8 +9,9 @@ in the backward it passes each rank's own gradient through. The gradient reachin
 is non-zero only on the rank that owns the target token, and nothing sums it over ranks, so the
 other ranks' vocab rows lose their softmax gradient. The fix uses Megatron's
 `vocab_parallel_cross_entropy`, whose custom backward gives every shard its softmax gradient.
-The marked line is where that unreduced backward partial is created: the mask that keeps the
-target's log-prob on its owner only, whose backward sends the gradient to the owner alone.
+The marked line is where that unreduced partial sum is created: the log-softmax's `- log(sum_exp)`,
+whose backward sums the gradient over this rank's vocab entries only (non-zero on the owner of
+the target); the backward of the plain all-reduce of `sum_exp` passes it on unreduced.
 """
 
 import torch
@@ -36,7 +37,7 @@ def vocab_parallel_log_softmax(logits):
     exp_logits = torch.exp(logits - logits_max)
     sum_exp = exp_logits.sum(dim=-1, keepdim=True)
     dist.all_reduce(sum_exp, op=dist.ReduceOp.SUM)
-    return logits - logits_max - torch.log(sum_exp)
+    return logits - logits_max - torch.log(sum_exp)  # BUG(partial): its backward sums the gradient over this rank's vocab only; the plain all_reduce above never sums it over ranks
 
 
 def vocab_parallel_gather_logps(logits, labels):
@@ -56,7 +57,7 @@ def vocab_parallel_gather_logps(logits, labels):
     gathered_logps = torch.gather(log_probs, dim=-1, index=local_labels.unsqueeze(-1)).squeeze(-1)
     if tp_size > 1:
         # only the rank that owns the target token has its log prob; the others contribute zero
-        gathered_logps = gathered_logps * in_range_mask.float()  # BUG(partial): backward sends the log-softmax gradient to the owner rank only; the non-autograd all_reduce below never sums it
+        gathered_logps = gathered_logps * in_range_mask.float()
         dist.all_reduce(gathered_logps, op=dist.ReduceOp.SUM)
     return gathered_logps
 

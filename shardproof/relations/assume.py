@@ -1,0 +1,108 @@
+"""Terms re-normalized under an assumption: some terms replaced by others, some integer terms
+known to lie in a range.
+
+A rank's share of a one-hot write (its vocab range of cross entropy's backward) is spelled with a
+mask `ids outside [lo, hi)`: the written value is zero where the mask holds, and the index is
+`ids - lo` (perhaps clamped) where it does not. Rebuilding the value with the mask replaced by a
+constant, and the index knowing `lo <= ids < hi`, shows both.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import TYPE_CHECKING
+
+from shardproof.ir.ops import OPS
+
+if TYPE_CHECKING:
+    from shardproof.relations.rules import Rules
+
+Interval = tuple[Fraction, Fraction]
+
+
+def rebuild(r: Rules, t: int, replace: dict[int, int], known: dict[int, Interval]) -> int:
+    """`t` with each term of `replace` swapped for its value, rebuilt through the normalizing
+    constructors; a max or min that the ranges in `known` decide is dropped."""
+    reachable, stack = set(), [t]
+    while stack:
+        x = stack.pop()
+        if x not in reachable and x not in replace:
+            reachable.add(x)
+            stack.extend(r.u[x].args)
+    done = dict(replace)
+    for x in sorted(reachable):  # arguments have smaller ids than the terms built on them
+        term = r.u[x]
+        args = tuple(done[a] for a in term.args)
+        decided = _decided_bound(r, term.op, args, known) if term.op in ("maximum", "minimum") else None
+        if decided is not None:
+            done[x] = decided
+        elif args == term.args:
+            done[x] = x
+        else:
+            done[x] = _construct(r, x, args)
+    return done[t]
+
+
+def interval(r: Rules, t: int, known: dict[int, Interval]) -> Interval | None:
+    """Bounds of the values of an integer or float term, from the ranges in `known` and constants."""
+    if t in known:
+        return known[t]
+    value = r.full_value(t)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return Fraction(value), Fraction(value)
+    term = r.u[t]
+    if term.op in ("bcast", "view", "slice", "permute", "repeat"):
+        return interval(r, term.args[0], known)
+    if term.op == "lin":
+        lo = hi = Fraction(0)
+        for a, c in zip(term.args, term.attrs[0]):
+            bounds = interval(r, a, known)
+            if bounds is None:
+                return None
+            lo, hi = lo + min(c * bounds[0], c * bounds[1]), hi + max(c * bounds[0], c * bounds[1])
+        return lo, hi
+    if term.op in ("maximum", "minimum"):
+        bounds = [interval(r, a, known) for a in term.args]
+        if None in bounds:
+            return None
+        pick = max if term.op == "maximum" else min
+        return pick(b[0] for b in bounds), pick(b[1] for b in bounds)
+    return None
+
+
+def _decided_bound(r: Rules, op: str, args: tuple[int, ...], known: dict[int, Interval]) -> int | None:
+    """max(a, b) is a when a >= b everywhere (min: when a <= b), as the ranges show."""
+    a, b = args
+    ia, ib = interval(r, a, known), interval(r, b, known)
+    if ia is None or ib is None:
+        return None
+    if op == "maximum":
+        return a if ia[0] >= ib[1] else b if ib[0] >= ia[1] else None
+    return a if ia[1] <= ib[0] else b if ib[1] <= ia[0] else None
+
+
+def _construct(r: Rules, t: int, args: tuple[int, ...]) -> int:
+    """The term `t` with new arguments, through the constructor its op is normalized by."""
+    term = r.u[t]
+    op, attrs = term.op, term.attrs
+    if op == "lin":
+        return r.lin(list(zip(args, attrs[0])))
+    if op == "piece":
+        return r.piece(args[0], *attrs)
+    if op == "max_piece":
+        return r.max_piece(args[0], *attrs)
+    if op == "slice":
+        return r.slice(args[0], attrs[0])
+    if op == "cat":
+        return r.cat(list(args), attrs[0])
+    if op == "bcast":
+        return r.bcast(args[0], term.shape, attrs[0])
+    if op == "repeat":
+        return r.repeat(args[0], *attrs)
+    if op == "view":
+        return r.view(args[0], term.shape)
+    if op == "permute":
+        return r.permute(args[0], attrs[0])
+    if op in OPS:
+        return r.build(op, args, attrs, term.shape, term.dtype)
+    return r.literal(op, args, attrs, term.shape, term.dtype)
