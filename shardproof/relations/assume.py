@@ -77,8 +77,11 @@ def _decided_bound(r: Rules, op: str, args: tuple[int, ...], known: dict[int, In
     if ia is None or ib is None:
         return None
     if op == "maximum":
-        return a if ia[0] >= ib[1] else b if ib[0] >= ia[1] else None
-    return a if ia[1] <= ib[0] else b if ib[1] <= ia[0] else None
+        chosen = [x for x, wins in ((a, ia[0] >= ib[1]), (b, ib[0] >= ia[1])) if wins]
+    else:
+        chosen = [x for x, wins in ((a, ia[1] <= ib[0]), (b, ib[1] <= ia[0])) if wins]
+    varying = [x for x in chosen if r.full_value(x) is None]  # on a tie, keep the term over the constant
+    return (varying or chosen or [None])[0]
 
 
 def _construct(r: Rules, t: int, args: tuple[int, ...]) -> int:

@@ -1004,6 +1004,12 @@ def _reduce(r: Rules, op: str, args, attrs, shape, dtype) -> int:
         inner_shape = tuple(s for d, s in enumerate(r.shape(x)) if d not in dims)
         return r.view(r.build(op, (x,), (dims, False), inner_shape, dtype), shape)
     term = r.u[x]
+    root, box = r.as_region(x)
+    ones = [d for d in dims if r.shape(x)[d] == 1 and box[d] == (0, r.shape(root)[d])]
+    if op in ("sum", "amax") and ones:  # reducing a size-1 dim only drops it (a width-1 slice is a piece)
+        squeezed = r.view(x, tuple(n for d, n in enumerate(r.shape(x)) if d not in ones))
+        rest = tuple(d - sum(1 for o in ones if o < d) for d in dims if d not in ones)
+        return r.build(op, (squeezed,), (rest, False), shape, dtype) if rest else r.view(squeezed, shape)
     if op == "sum" and _is_one_hot(r, x) and term.attrs[0] in dims:
         return r.build("sum", (term.args[2],), attrs, shape, dtype)  # one entry per row: the written values
     if op in ("sum", "amax") and term.op == "view":
@@ -1068,6 +1074,7 @@ def _reduce_through_view(r: Rules, op: str, x: int, dims: tuple[int, ...], shape
             source_dims.extend(gi)
         elif reduced & set(gj):
             return None
+    source_dims = [d for d in source_dims if r.shape(source)[d] != 1]
     if not source_dims:  # only size-1 dims reduced
         return r.view(source, shape)
     kept = tuple(n for d, n in enumerate(r.shape(source)) if d not in source_dims)
@@ -1475,9 +1482,12 @@ def _scatter(r: Rules, op: str, args, attrs, shape, dtype) -> int:
         return r.lin([(base, Fraction(1)), (one_hot, Fraction(1))])
     if r.full_value(src) == 0:
         return zeros
-    values = r.u[src]
+    values, constant = r.u[src], r.full_value(src)
     if values.op == "lin" and len(values.args) == 1:  # linear in the values: scale outside
         return r.scale(r.build("scatter_add", (zeros, index, values.args[0]), attrs, shape, dtype), values.attrs[0][0])
+    if _is_finite_number(constant) and constant != 1 and dtype in FLOAT_DTYPES:
+        ones = r.literal("full", (), (1.0,), r.shape(src), dtype)
+        return r.scale(r.build("scatter_add", (zeros, index, ones), attrs, shape, dtype), constant)
     local = _local_one_hot(r, index, src, dim, shape, dtype)
     if local is not None:
         return local

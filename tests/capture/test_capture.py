@@ -256,6 +256,39 @@ def test_cross_entropy_ops_lower_to_what_torch_computes() -> None:
         torch.testing.assert_close(outputs[0], expected)
 
 
+class OneHotWrites(nn.Module):
+    """The writes cross entropy's backward is spelled with: gather's backward (scatter_add), a
+    scatter of a value, Megatron's `grad_2d[arange, target] -= update` through a view of the
+    gradient, an accumulating row-wise put, and a clamped index."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(VOCAB, HIDDEN))
+
+    def forward(self, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        logits = hidden @ self.weight.t()
+        column = target.clamp(min=2, max=VOCAB - 3).unsqueeze(-1)
+        spread = torch.zeros_like(logits).scatter_add(-1, column, logits.gather(-1, column))
+        marked = torch.zeros_like(logits).scatter(-1, column, 1.0)
+        grad = logits.softmax(-1).clone()
+        grad_2d = grad.view(-1, VOCAB)
+        rows = torch.arange(grad_2d.size(0))
+        grad_2d[rows, target.view(-1)] -= (target.view(-1) > VOCAB // 2).float()
+        grad_2d.index_put_((rows, target.view(-1)), torch.ones(grad_2d.size(0)), accumulate=True)
+        return spread + marked + grad
+
+
+def test_one_hot_writes_lower_to_what_torch_computes() -> None:
+    captured = capture(_case(OneHotWrites, lambda r, n: OneHotWrites(), _label_inputs), 2)
+    assert {"scatter", "scatter_add", "maximum", "minimum"} <= {n.op for n in captured.reference.nodes}
+    torch.manual_seed(0)
+    inputs = _label_inputs()
+    leaves = _random_leaves(OneHotWrites(), inputs)
+    expected = _eager(OneHotWrites(), leaves, inputs)
+    for outputs in _run([captured.reference], leaves) + _run(captured.ranks, leaves):
+        torch.testing.assert_close(outputs[0], expected)
+
+
 def test_indexing_other_than_a_row_wise_gather_is_unsupported() -> None:
     with pytest.raises(UnsupportedOp, match="row-wise gather"):
         capture(_elementwise_case(lambda w, x: w[(x > 0).long()].sum(0)), 2)
@@ -295,9 +328,9 @@ def _reduce_scatter_into_narrow_buffer(w: torch.Tensor, x: torch.Tensor) -> torc
     return out
 
 
-_MODEL_FUNCTIONS = [Elementwise.forward, LabelLookups.forward, _in_place_chain, _copy_into_zeros, _write_view_read_base,
-                    _write_base_read_view, _all_reduce_view_read_base, _padded, _erf_mse, _stacked, _averaged_shard,
-                    _gather_into_wide_buffer, _reduce_scatter_into_narrow_buffer]
+_MODEL_FUNCTIONS = [Elementwise.forward, LabelLookups.forward, OneHotWrites.forward, _in_place_chain, _copy_into_zeros,
+                    _write_view_read_base, _write_base_read_view, _all_reduce_view_read_base, _padded, _erf_mse, _stacked,
+                    _averaged_shard, _gather_into_wide_buffer, _reduce_scatter_into_narrow_buffer]
 
 
 def _elementwise_case(reference: Callable, distributed: Callable | None = None) -> Case:

@@ -1377,6 +1377,158 @@ def test_vocab_parallel_masked_gather(vocab, cuts_, shift):
     b.check(total)
 
 
+# --- one-hot writes (scatter) -----------------------------------------------------------------------------
+def column(b: Build, x: V) -> V:
+    return b.view(x, x.shape + (1,))
+
+
+def one_hot(b: Build, ids: V, values: V, width: int, op: str = "scatter_add") -> V:
+    """`values` written at `ids` along a new last dim of `width` (gather's backward)."""
+    zeros = b.scalar(0.0, ids.shape + (width,))
+    return b.op(op, zeros, column(b, ids), column(b, values), attrs=(len(ids.shape),))
+
+
+def test_scatter_into_zeros_is_the_one_hot():
+    b = Build()
+    ids, values = labels(b, "ids", (2, 3), 5), b.leaf("v", (2, 3))
+    written = one_hot(b, ids, values, 5, op="scatter")
+    b.check(written)
+    assert written.term == one_hot(b, ids, values, 5).term
+
+
+def test_scatter_into_a_tensor_is_it_plus_the_one_hot_of_the_change():
+    """Megatron's `grad_2d[arange, target] -= 1`: read, change, write back one entry per row."""
+    b = Build()
+    x, ids, v = b.leaf("x", (2, 3, 5)), labels(b, "ids", (2, 3), 5), b.leaf("v", (2, 3))
+    here = b.view(b.op("gather", x, column(b, ids), attrs=(2,)), (2, 3))
+    written = b.op("scatter", x, column(b, ids), column(b, b.sub(here, v)), attrs=(2,))
+    b.check(written)
+    assert written.term == b.sub(x, one_hot(b, ids, v, 5)).term
+
+
+@pytest.mark.parametrize("keepdim", [False, True])
+def test_sum_of_a_one_hot_over_its_dim_is_the_values(keepdim):
+    b = Build()
+    ids, values = labels(b, "ids", (2, 3), 5), b.leaf("v", (2, 3))
+    total = b.op("sum", one_hot(b, ids, values, 5), attrs=((2,), keepdim))
+    b.check(total)
+    assert total.term == (column(b, values) if keepdim else values).term
+
+
+def test_one_hot_absorbs_factors_constant_along_its_dim_and_scales():
+    b = Build()
+    x, ids, v, y = b.leaf("x", (2, 3, 5)), labels(b, "ids", (2, 3), 5), b.leaf("v", (2, 3)), b.leaf("y", (2, 3))
+    rows = b.expand(column(b, y), (2, 3, 5))
+    scaled = b.op("mul", one_hot(b, ids, v, 5), rows)
+    b.check(scaled)
+    assert scaled.term == one_hot(b, ids, b.op("mul", v, y), 5).term
+    both = b.op("mul", b.add(x, one_hot(b, ids, v, 5)), rows)
+    b.check(both)
+    assert b.op_of(both) == "lin"
+    negated = one_hot(b, ids, b.op("neg", v), 5)
+    assert negated.term == b.op("neg", one_hot(b, ids, v, 5)).term
+
+
+def megatron_rank_one_hot(b: Build, ids: V, lo: int, hi: int, spelling: str) -> V:
+    """One rank's [lo, hi) share of the one-hot of -1 at ids, as vocab-parallel backwards spell it."""
+    mask, local = masked_local_ids(b, ids, lo, hi)
+    if spelling == "megatron":  # grad_2d[arange, masked_target] -= 1 - target_mask.float()
+        update = b.sub(b.scalar(1.0, ids.shape), b.op("convert", mask, attrs=("float64",)))
+        return one_hot(b, local, b.op("neg", update), hi - lo, op="scatter")
+    # gather backward of a clamped local index, the gradient masked to the owner (ms-swift)
+    shifted = b.sub(ids, b.scalar(lo, ids.shape, torch.int64))
+    clamped = b.op("minimum", b.op("maximum", shifted, b.scalar(0, ids.shape, torch.int64)),
+                   b.scalar(hi - lo - 1, ids.shape, torch.int64))
+    inside = b.op("logical_and", b.op("ge", ids, b.scalar(lo, ids.shape, torch.int64)),
+                  b.op("lt", ids, b.scalar(hi, ids.shape, torch.int64)))
+    values = b.op("mul", b.scalar(-1.0, ids.shape), b.op("convert", inside, attrs=("float64",)))
+    return one_hot(b, clamped, values, hi - lo)
+
+
+@pytest.mark.parametrize("spelling", ["megatron", "clamped"])
+@pytest.mark.parametrize("vocab,cuts_", [(8, (0, 4, 8)), (9, (0, 3, 6, 9)), (10, (0, 7, 10))])
+def test_vocab_parallel_one_hot_is_a_slice_of_the_reference_one(vocab, cuts_, spelling):
+    b = Build()
+    ids = labels(b, "ids", (2, 3), vocab)
+    whole = one_hot(b, ids, b.scalar(-1.0, ids.shape), vocab)
+    b.r.reference_size = len(b.u)  # the reference wrote that one-hot; the ranks come after
+    ranks = [megatron_rank_one_hot(b, ids, lo, hi, spelling) for lo, hi in zip(cuts_, cuts_[1:])]
+    for rank, (lo, hi) in zip(ranks, zip(cuts_, cuts_[1:])):
+        b.check(rank)
+        assert rank.term == b.r.slice(whole.term, ((0, 2), (0, 3), (lo, hi)))
+    assert b.cat(ranks, 2).term == whole.term
+
+
+def test_rank_one_hot_without_a_reference_one_stays_literal():
+    """The axis width is not visible on a rank: without the reference's one-hot it is left alone."""
+    b = Build()
+    ids = labels(b, "ids", (2, 3), 8)
+    b.r.reference_size = len(b.u)
+    rank = megatron_rank_one_hot(b, ids, 4, 8, "megatron")
+    b.check(rank)
+    assert b.op_of(rank) == "scatter_add"
+
+
+@pytest.mark.parametrize("vocab,cuts_", [(8, (0, 4, 8)), (9, (0, 3, 6, 9)), (10, (0, 7, 10))])
+def test_vocab_parallel_clamped_gather_masked_by_a_float(vocab, cuts_):
+    """ms-swift's target log-prob: gather at the clamped local id, times float(lo <= id < hi)."""
+    b = Build()
+    logits, target = b.leaf("logits", (2, 3, vocab)), labels(b, "target", (2, 3), vocab)
+    ranks = []
+    for lo, hi in zip(cuts_, cuts_[1:]):
+        shifted = b.sub(target, b.scalar(lo, target.shape, torch.int64))
+        clamped = b.op("minimum", b.op("maximum", shifted, b.scalar(0, target.shape, torch.int64)),
+                       b.scalar(hi - lo - 1, target.shape, torch.int64))
+        picked = b.view(b.op("gather", b.sl(logits, 2, lo, hi), column(b, clamped), attrs=(2,)), target.shape)
+        inside = b.op("logical_and", b.op("ge", target, b.scalar(lo, target.shape, torch.int64)),
+                      b.op("lt", target, b.scalar(hi, target.shape, torch.int64)))
+        ranks.append(b.op("mul", picked, b.op("convert", inside, attrs=("float64",))))
+    total = b.add(*ranks)
+    b.check(total)
+    assert total.term == b.view(b.op("gather", logits, column(b, target), attrs=(2,)), target.shape).term
+
+
+def test_exp_of_a_log_softmax_is_the_softmax():
+    b = Build()
+    x = b.leaf("x", (2, 5))
+    probs = b.op("exp", b.op("log_softmax", x, attrs=(1,)))
+    b.check(probs)
+    peak = b.expand(b.op("amax", x, attrs=((1,), True)), x.shape)
+    powers = b.op("exp", b.sub(x, peak))
+    spelled = b.op("div", powers, b.expand(b.op("sum", powers, attrs=((1,), True)), x.shape))
+    assert probs.term == spelled.term
+
+
+def test_products_with_float_masks_and_constant_conditions():
+    b = Build()
+    x, m = b.leaf("x", (3, 4)), b.leaf("m", (3, 4), value=torch.rand(3, 4, generator=b.gen) > 0.5)
+    masked = b.op("mul", x, b.op("convert", m, attrs=("float64",)))
+    b.check(masked)
+    assert masked.term == b.op("where", m, x, b.scalar(0.0, x.shape)).term
+    yes = b.scalar(True, x.shape, torch.bool)
+    assert b.op("where", yes, x, b.scalar(0.0, x.shape)).term == x.term
+    folded = b.op("convert", b.op("logical_not", yes), attrs=("float64",))
+    b.check(folded)
+    assert b.u[folded.term].op == "full" and b.u[folded.term].attrs == (0.0,)
+
+
+def test_products_order_their_operands_and_pull_out_scales():
+    b = Build()
+    x, y = b.leaf("x", (3, 4)), b.leaf("y", (3, 4))
+    assert b.op("mul", x, y).term == b.op("mul", y, x).term
+    scaled = b.op("mul", b.op("neg", x), y)
+    b.check(scaled)
+    assert scaled.term == b.op("neg", b.op("mul", x, y)).term
+
+
+def test_broadcast_of_a_sum_is_the_sum_of_broadcasts():
+    b = Build()
+    x, y = b.leaf("x", (3,)), b.leaf("y", (3,))
+    wide = b.expand(b.view(b.sub(x, y), (1, 3)), (4, 3))
+    b.check(wide)
+    assert b.op_of(wide) == "lin"
+
+
 # --- expand / bcast ---------------------------------------------------------------------------------------
 def test_expand_of_expand_is_one_broadcast():
     b = Build()
