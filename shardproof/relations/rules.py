@@ -819,6 +819,10 @@ def _elementwise(r: Rules, op: str, args: tuple[int, ...], attrs: tuple, shape: 
                 sub = tuple(r.slice(b, box) for b in args)
                 parts.append(r.build(op, sub, attrs, box_shape(box), dtype))
             return r.cat(parts, dim)
+    unviewed = _common_reshape(r, args)
+    if unviewed is not None:  # op(view(a), view(b)) = view(op(a, b)): the reshape moves out
+        inner = r.build(op, unviewed, attrs, r.shape(unviewed[0]), dtype)
+        return r.view(inner, shape)
     bases = [r.u[a] for a in args]
     if bases and all(b.op == "bcast" for b in bases) and len({b.attrs[0] for b in bases}) == 1:
         dims = bases[0].attrs[0]
@@ -832,6 +836,29 @@ def _elementwise(r: Rules, op: str, args: tuple[int, ...], attrs: tuple, shape: 
     if op in _COMMUTATIVE:
         args = tuple(sorted(args))  # a * b and b * a are one term
     return r.literal(op, args, attrs, shape, dtype)
+
+
+def _common_reshape(r: Rules, args: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The sources when every operand is a reshape of a tensor of one shape (constants adapt to
+    it, sums of reshapes are reshapes of sums)."""
+    sources = [r.u[a].args[0] for a in args if r.op(a) == "view"]
+    if not sources or len({r.shape(t) for t in sources}) != 1:
+        return None
+    unviewed = [_unview(r, a, r.shape(sources[0])) for a in args]
+    return None if None in unviewed else tuple(unviewed)
+
+
+def _unview(r: Rules, t: int, shape: tuple[int, ...]) -> int | None:
+    """A term X of `shape` with `t` = view(X), if `t` is spelled as one."""
+    term = r.u[t]
+    if term.op == "view":
+        return term.args[0] if r.shape(term.args[0]) == shape else None
+    if term.op == "full":
+        return r.literal("full", (), term.attrs, shape, term.dtype)
+    if term.op == "lin":
+        parts = [_unview(r, a, shape) for a in term.args]
+        return None if None in parts else r.lin(list(zip(parts, term.attrs[0])))
+    return None
 
 
 _COMMUTATIVE = {"mul", "maximum", "minimum", "logical_and", "logical_or", "eq", "ne"}
@@ -1294,7 +1321,7 @@ def _gather(r: Rules, op: str, args, attrs, shape, dtype) -> int:
 def _local_lookup(r: Rules, table: int, index: int, dim: int) -> bool:
     """A lookup into the [lo, hi) shard of a table along `dim` with ids - lo, masked to the shard
     (where) or clamped to it."""
-    masked_index = r.u[_unbroadcast(r, index)]
+    masked_index = r.u[_unshaped(r, index)]
     if masked_index.op == "where":
         return _share_lookup(r, table, index, dim, masked_index.args[0]) is not None
     root, box = r.as_region(table)
@@ -1361,7 +1388,8 @@ def _masked_lookup(r: Rules, cond: int, when_true: int, when_false: int) -> int 
         return None
     root, ids, lo, hi = share
     index_term = r.u[index]
-    whole_index = r.bcast(ids, index_term.shape, index_term.attrs[0]) if index_term.op == "bcast" else ids
+    expanded = index_term.op == "bcast" and r.shape(index_term.args[0]) == r.shape(ids)
+    whole_index = r.bcast(ids, index_term.shape, index_term.attrs[0]) if expanded else r.view(ids, index_term.shape)
     whole = r.build(lookup.op, (root, whole_index), lookup.attrs, lookup.shape, lookup.dtype)
     return r.piece(whole, ("lookup", axis, root, whole_index), lo, hi, r.shape(root)[axis])
 
@@ -1374,15 +1402,21 @@ def _share_lookup(r: Rules, table: int, index: int, axis: int, mask: int) -> tup
     if any(b != (0, s) for d, (b, s) in enumerate(zip(box, r.shape(root))) if d != axis):
         return None
     lo, hi = box[axis]
-    outside = _outside_range(r, _unbroadcast(r, mask))
+    outside_mask = _unshaped(r, mask)
+    outside = _outside_range(r, outside_mask)
     if outside is None or outside[1:] != (lo, hi):
         return None
-    ids, shifted = outside[0], _unbroadcast(r, index)
-    outside_mask = _unbroadcast(r, mask)
+    ids, shifted = outside[0], _unshaped(r, index)
     assumed = {outside_mask: r.const(("full", False), r.shape(outside_mask), "bool")}
     if r.shape(ids) != r.shape(shifted) or not _is_shift_of(r, shifted, ids, lo, hi, assumed):
         return None
     return root, ids, lo, hi
+
+
+def _unshaped(r: Rules, t: int) -> int:
+    """`t` without the broadcasts and reshapes around it."""
+    term = r.u[t]
+    return _unshaped(r, term.args[0]) if term.op in ("bcast", "view") else t
 
 
 def _unbroadcast(r: Rules, t: int) -> int:
@@ -1391,8 +1425,11 @@ def _unbroadcast(r: Rules, t: int) -> int:
 
 
 def _outside_range(r: Rules, mask: int) -> tuple[int, int, int] | None:
-    """Recognize `ids < lo | ids >= hi` (in its usual spellings) as (ids, lo, hi)."""
+    """Recognize `ids < lo | ids >= hi` (in its usual spellings, perhaps reshaped) as (ids, lo, hi)."""
     term = r.u[mask]
+    if term.op == "view":
+        inner = _outside_range(r, term.args[0])
+        return None if inner is None else (r.view(inner[0], term.shape), *inner[1:])
     if term.op == "logical_or" and len(term.args) == 2:
         bounds = [_compare_const(r, a) for a in term.args]
         if None in bounds:
@@ -1541,8 +1578,11 @@ def _range_masks(r: Rules, t: int) -> list[tuple[int, tuple[int, int, int, bool]
 
 
 def _inside_range(r: Rules, mask: int) -> tuple[int, int, int] | None:
-    """Recognize `ids >= lo & ids < hi` as (ids, lo, hi)."""
+    """Recognize `ids >= lo & ids < hi` (perhaps reshaped) as (ids, lo, hi)."""
     term = r.u[mask]
+    if term.op == "view":
+        inner = _inside_range(r, term.args[0])
+        return None if inner is None else (r.view(inner[0], term.shape), *inner[1:])
     if term.op != "logical_and" or len(term.args) != 2:
         return None
     bounds = [_compare_const(r, a) for a in term.args]

@@ -56,8 +56,8 @@ def mean_entropy(log_probs):
 
 def loss(logits, hidden_states, labels):
     """Cross entropy minus an entropy bonus."""
-    log_probs = F.log_softmax(logits, dim=-1)
-    cross_entropy = F.nll_loss(log_probs.flatten(0, 1), labels.flatten(0, 1))
+    log_probs = F.log_softmax(logits.flatten(0, 1), dim=-1)
+    cross_entropy = F.nll_loss(log_probs, labels.flatten(0, 1))
     return cross_entropy - ENTROPY_COEF * mean_entropy(log_probs)
 
 
@@ -66,7 +66,7 @@ def distributed_step(model, inputs, rank, world_size):
     with loss_parallel():
         logits = model(hidden_states, labels)
         cross_entropy = F.cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1))  # FIX: only nll consumes the log-probs
-        entropy = mean_entropy(F.log_softmax(logits.full_tensor(), dim=-1))  # FIX: plain tensor, outside DTensor's handlers
+        entropy = mean_entropy(F.log_softmax(logits.full_tensor().flatten(0, 1), dim=-1))  # FIX: plain tensor, outside DTensor's handlers
         loss_value = cross_entropy.full_tensor() - ENTROPY_COEF * entropy  # FIX
         loss_value.backward()
     return loss_value

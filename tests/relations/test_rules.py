@@ -1529,6 +1529,33 @@ def test_broadcast_of_a_sum_is_the_sum_of_broadcasts():
     assert b.op_of(wide) == "lin"
 
 
+def test_elementwise_ops_of_reshapes_are_reshapes_of_the_op():
+    """where(view(m), view(a) - c, 0) = view(where(m, a - c, 0)): flattening before or after meets."""
+    b = Build()
+    a, m = labels(b, "a", (2, 3), 9), b.leaf("m", (2, 3), value=torch.rand(2, 3, generator=b.gen) > 0.5)
+    shifted = b.sub(b.view(a, (6,)), b.scalar(4, (6,), torch.int64))
+    flat_first = b.op("where", b.view(m, (6,)), b.scalar(0, (6,), torch.int64), shifted)
+    b.check(flat_first)
+    op_first = b.view(b.op("where", m, b.scalar(0, (2, 3), torch.int64), b.sub(a, b.scalar(4, (2, 3), torch.int64))), (6,))
+    assert flat_first.term == op_first.term
+
+
+@pytest.mark.parametrize("vocab,cuts_", [(8, (0, 4, 8)), (9, (0, 3, 6, 9))])
+def test_vocab_parallel_masked_gather_on_flattened_tokens(vocab, cuts_):
+    """loss_parallel's spelling: tokens flattened before the mask, the local ids and the lookup."""
+    b = Build()
+    logits, target = b.leaf("logits", (6, vocab)), labels(b, "target", (2, 3), vocab)
+    flat = b.view(target, (6,))
+    ranks = []
+    for lo, hi in zip(cuts_, cuts_[1:]):
+        mask, local = masked_local_ids(b, flat, lo, hi)
+        picked = b.view(b.op("gather", b.sl(logits, 1, lo, hi), column(b, local), attrs=(1,)), (6,))
+        ranks.append(b.op("where", mask, b.scalar(0.0, (6,)), picked))
+    total = b.add(*ranks)
+    b.check(total)
+    assert total.term == b.view(b.op("gather", logits, column(b, flat), attrs=(1,)), (6,)).term
+
+
 # --- expand / bcast ---------------------------------------------------------------------------------------
 def test_expand_of_expand_is_one_broadcast():
     b = Build()
