@@ -248,10 +248,15 @@ def test_cross_entropy_ops_lower_to_what_torch_computes() -> None:
     for graph in captured.ranks:
         assert {"amax", "argmax", "gather", "maximum"} <= {n.op for n in graph.nodes}
         assert [n.attrs for n in graph.nodes if n.op == "all_reduce"] == [("max", (0, 1))]
+    _assert_ir_computes_what_torch_computes(LabelLookups, captured)
+
+
+def _assert_ir_computes_what_torch_computes(model: Callable[[], nn.Module], captured) -> None:
+    """Every captured graph, run on random leaves and label inputs, gives the eager output."""
     torch.manual_seed(0)
     inputs = _label_inputs()
-    leaves = _random_leaves(LabelLookups(), inputs)
-    expected = _eager(LabelLookups(), leaves, inputs)
+    leaves = _random_leaves(model(), inputs)
+    expected = _eager(model(), leaves, inputs)
     for outputs in _run([captured.reference], leaves) + _run(captured.ranks, leaves):
         torch.testing.assert_close(outputs[0], expected)
 
@@ -281,12 +286,7 @@ class OneHotWrites(nn.Module):
 def test_one_hot_writes_lower_to_what_torch_computes() -> None:
     captured = capture(_case(OneHotWrites, lambda r, n: OneHotWrites(), _label_inputs), 2)
     assert {"scatter", "scatter_add", "maximum", "minimum"} <= {n.op for n in captured.reference.nodes}
-    torch.manual_seed(0)
-    inputs = _label_inputs()
-    leaves = _random_leaves(OneHotWrites(), inputs)
-    expected = _eager(OneHotWrites(), leaves, inputs)
-    for outputs in _run([captured.reference], leaves) + _run(captured.ranks, leaves):
-        torch.testing.assert_close(outputs[0], expected)
+    _assert_ir_computes_what_torch_computes(OneHotWrites, captured)
 
 
 def test_indexing_other_than_a_row_wise_gather_is_unsupported() -> None:
