@@ -175,3 +175,38 @@ def test_without_the_step_a_missing_gradient_is_zero() -> None:
     assert labels == ["loss", "gradient of `weight`", "gradient of `bias`"]
     assert not run_numeric(case, 2).agree
     assert verify(case, world_size=2).verdict != "equivalent"
+
+
+def _sequence_parallel_with_norm_hooks(hooked: bool) -> Case:
+    """Each rank normalises its sequence shard; a grad hook registered at construction all-reduces
+    the norm gradients (the model a training engine trains is this one)."""
+
+    def build(rank: int, world_size: int) -> nn.Module:
+        model = Mlp()
+        for param in model.norm.parameters() if hooked else []:
+            param.register_hook(_summed)
+        return model
+
+    def sequence_shard(index, full, rank, world_size):
+        return full.chunk(world_size, 0)[rank]
+
+    def step(model, inputs, rank, world_size):
+        loss = _loss(model(*inputs), *inputs)  # this rank's tokens: the reference loss is the mean over ranks
+        (loss / world_size).backward()
+        for p in (model.up.weight, model.up.bias, model.down.weight):
+            dist.all_reduce(p.grad)
+        return loss
+
+    return Case(Mlp, build, _inputs, shard_input=sequence_shard, loss=_loss, distributed_step=step)
+
+
+def _summed(grad: torch.Tensor) -> torch.Tensor:
+    grad = grad.clone()
+    dist.all_reduce(grad)
+    return grad
+
+
+@pytest.mark.parametrize("hooked", [True, False])
+def test_gradient_hooks_registered_on_the_model_fire_in_the_step(hooked: bool) -> None:
+    report = _checked(_sequence_parallel_with_norm_hooks(hooked), 2, "train")
+    assert report.verdict == ("equivalent" if hooked else "discrepancy"), report.diagnosis
