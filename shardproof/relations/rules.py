@@ -819,10 +819,6 @@ def _elementwise(r: Rules, op: str, args: tuple[int, ...], attrs: tuple, shape: 
                 sub = tuple(r.slice(b, box) for b in args)
                 parts.append(r.build(op, sub, attrs, box_shape(box), dtype))
             return r.cat(parts, dim)
-    unviewed = _common_reshape(r, args)
-    if unviewed is not None:  # op(view(a), view(b)) = view(op(a, b)): the reshape moves out
-        inner = r.build(op, unviewed, attrs, r.shape(unviewed[0]), dtype)
-        return r.view(inner, shape)
     bases = [r.u[a] for a in args]
     if bases and all(b.op == "bcast" for b in bases) and len({b.attrs[0] for b in bases}) == 1:
         dims = bases[0].attrs[0]
@@ -836,29 +832,6 @@ def _elementwise(r: Rules, op: str, args: tuple[int, ...], attrs: tuple, shape: 
     if op in _COMMUTATIVE:
         args = tuple(sorted(args))  # a * b and b * a are one term
     return r.literal(op, args, attrs, shape, dtype)
-
-
-def _common_reshape(r: Rules, args: tuple[int, ...]) -> tuple[int, ...] | None:
-    """The sources when every operand is a reshape of a tensor of one shape (constants adapt to
-    it, sums of reshapes are reshapes of sums)."""
-    sources = [r.u[a].args[0] for a in args if r.op(a) == "view"]
-    if not sources or len({r.shape(t) for t in sources}) != 1:
-        return None
-    unviewed = [_unview(r, a, r.shape(sources[0])) for a in args]
-    return None if None in unviewed else tuple(unviewed)
-
-
-def _unview(r: Rules, t: int, shape: tuple[int, ...]) -> int | None:
-    """A term X of `shape` with `t` = view(X), if `t` is spelled as one."""
-    term = r.u[t]
-    if term.op == "view":
-        return term.args[0] if r.shape(term.args[0]) == shape else None
-    if term.op == "full":
-        return r.literal("full", (), term.attrs, shape, term.dtype)
-    if term.op == "lin":
-        parts = [_unview(r, a, shape) for a in term.args]
-        return None if None in parts else r.lin(list(zip(parts, term.attrs[0])))
-    return None
 
 
 _COMMUTATIVE = {"mul", "maximum", "minimum", "logical_and", "logical_or", "eq", "ne"}
@@ -1031,12 +1004,6 @@ def _reduce(r: Rules, op: str, args, attrs, shape, dtype) -> int:
         inner_shape = tuple(s for d, s in enumerate(r.shape(x)) if d not in dims)
         return r.view(r.build(op, (x,), (dims, False), inner_shape, dtype), shape)
     term = r.u[x]
-    root, box = r.as_region(x)
-    ones = [d for d in dims if r.shape(x)[d] == 1 and box[d] == (0, r.shape(root)[d])]
-    if op in ("sum", "amax") and ones:  # reducing a size-1 dim only drops it (a width-1 slice is a piece)
-        squeezed = r.view(x, tuple(n for d, n in enumerate(r.shape(x)) if d not in ones))
-        rest = tuple(d - sum(1 for o in ones if o < d) for d in dims if d not in ones)
-        return r.build(op, (squeezed,), (rest, False), shape, dtype) if rest else r.view(squeezed, shape)
     if op == "sum" and _is_one_hot(r, x) and term.attrs[0] in dims:
         return r.build("sum", (term.args[2],), attrs, shape, dtype)  # one entry per row: the written values
     if op in ("sum", "amax") and term.op == "view":
