@@ -38,15 +38,17 @@ class Row:
     terms: int | None = None
     reference_ops: int | None = None
     distributed_ops: int | None = None
+    calls_proven: int | None = None
+    calls_reused: int | None = None
     note: str | None = None
 
     def cells(self) -> list[str]:
-        seconds = [_fmt(s, ".2f") for s in (self.capture, self.proof, self.total)]
-        counts = [_fmt(c, "d") for c in (self.terms, self.reference_ops, self.distributed_ops)]
-        return [str(self.world_size), str(self.layers), self.verdict, *seconds, _fmt(self.peak_mib, ".0f"), *counts]
+        seconds = [fmt(s, ".2f") for s in (self.capture, self.proof, self.total)]
+        counts = [fmt(c, "d") for c in (self.terms, self.reference_ops, self.distributed_ops)]
+        return [str(self.world_size), str(self.layers), self.verdict, *seconds, fmt(self.peak_mib, ".0f"), *counts]
 
 
-def _fmt(value: float | None, spec: str) -> str:
+def fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
@@ -54,7 +56,9 @@ def _fmt(value: float | None, spec: str) -> str:
 # child process
 
 
-def measure(world_size: int, layers: int, preset: str | None, mode: str = "forward") -> dict[str, Any]:
+def measure(
+    world_size: int, layers: int, preset: str | None, mode: str = "forward", memo: bool = True, backend: str = "none"
+) -> dict[str, Any]:
     """Verify one configuration in this process; return the Row fields."""
     from shardproof.api import verify
     from shardproof.case import load_case
@@ -63,7 +67,7 @@ def measure(world_size: int, layers: int, preset: str | None, mode: str = "forwa
     if preset is not None:
         case.use_preset(preset)
     case.module.CONFIG = dataclasses.replace(case.module.CONFIG, n_layers=layers)
-    report = verify(case, world_size=world_size, train=mode == "train")
+    report = verify(case, world_size=world_size, train=mode == "train", memo=memo, backend=backend)
     return {
         "verdict": report.verdict,
         "capture": report.capture_seconds,
@@ -73,6 +77,8 @@ def measure(world_size: int, layers: int, preset: str | None, mode: str = "forwa
         "terms": report.terms,
         "reference_ops": report.reference_ops,
         "distributed_ops": report.distributed_ops,
+        "calls_proven": report.calls_proven,
+        "calls_reused": report.calls_reused,
         "note": report.diagnosis,
     }
 
@@ -81,9 +87,17 @@ def measure(world_size: int, layers: int, preset: str | None, mode: str = "forwa
 # parent process
 
 
-def run_configuration(world_size: int, layers: int, preset: str | None, timeout: float, mode: str = "forward") -> Row:
+def run_configuration(
+    world_size: int,
+    layers: int,
+    preset: str | None,
+    timeout: float,
+    mode: str = "forward",
+    memo: bool = True,
+    backend: str = "none",
+) -> Row:
     """Measure one configuration in a fresh spawned process; failures become the row's verdict."""
-    status, payload = run_in_child(measure, (world_size, layers, preset, mode), timeout)
+    status, payload = run_in_child(measure, (world_size, layers, preset, mode, memo, backend), timeout)
     if status == "ok":
         return Row(world_size, layers, **payload)
     return Row(world_size, layers, status, note=payload)
@@ -138,14 +152,14 @@ def notes(rows: list[Row]) -> list[str]:
     return [f"{', '.join(where)}: {note}" for note, where in by_note.items()]
 
 
-def _int_list(text: str) -> list[int]:
+def int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world-sizes", type=_int_list, default=[2, 4, 8], help="comma-separated, default 2,4,8")
-    parser.add_argument("--layers", type=_int_list, default=[2, 8, 32], help="comma-separated, default 2,8,32")
+    parser.add_argument("--world-sizes", type=int_list, default=[2, 4, 8], help="comma-separated, default 2,4,8")
+    parser.add_argument("--layers", type=int_list, default=[2, 8, 32], help="comma-separated, default 2,8,32")
     parser.add_argument("--preset", help="a PRESETS entry of the case (e.g. llama3-8b); n_layers is overridden")
     parser.add_argument("--train", action="store_true", help="one training step of examples/llama_sp_train.py")
     parser.add_argument("--markdown", action="store_true", help="emit markdown tables")

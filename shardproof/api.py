@@ -15,6 +15,7 @@ from shardproof.case import Case, load_case, normalize_output
 from shardproof.errors import UnsupportedOp
 from shardproof.ir.graph import Graph, Node
 from shardproof.oracle import NumericResult, run_numeric
+from shardproof.partition.backends import placement
 from shardproof.prove import Proof, prove
 from shardproof.relations.diagnose import Finding
 from shardproof.report.model import Report, Site
@@ -39,12 +40,18 @@ def verify(
     train: bool = False,
     step: bool = False,
     progress: Callable[[str], None] = lambda _: None,
+    backend: str = "local",
+    ray_address: str | None = None,
+    memo: bool = True,
 ) -> Report:
     """Prove the distributed model equals the reference, or say where it does not.
 
     Pass a case (a Case or the path of a case file) or its parts as keywords. `train` proves one
     training step's loss and gradients instead of the forward outputs; `step` also the parameters
-    after the optimizer step (it implies `train`); without either, the case's MODE decides. Raises ShardproofError subclasses for unusable
+    after the optimizer step (it implies `train`); without either, the case's MODE decides.
+    `backend` says where ranks are traced: "local" (a process pool when that pays off), "ray" (a
+    Ray cluster at `ray_address` or RAY_ADDRESS), "none" (this process). `memo`: trace and prove
+    repeated modules once (off only to measure what that saves). Raises ShardproofError subclasses for unusable
     input (missing file, untraceable model, ...).
     """
     if case is None:
@@ -60,11 +67,11 @@ def verify(
     mode = case.resolve_mode(train, step)
     start = time.perf_counter()
     try:
-        captured = capture(case, n, progress, mode)
+        captured = capture(case, n, progress, mode, memo, placement(backend, case, n, memo, ray_address))
     except UnsupportedOp as err:
         return Report("unknown", n, time.perf_counter() - start, 0, 0, str(err), unknown={"op": err.op, "reason": str(err)})
     progress("proving")
-    proof = prove(captured)
+    proof = prove(captured, progress)
     if proof.finding is not None and proof.verdict == "discrepancy":
         progress("confirming the discrepancy on random weights")
         numbers = lambda: run_numeric(case, n, mode=mode)  # noqa: E731
@@ -83,6 +90,8 @@ def proof_report(proof: Proof, captured: Captured, world_size: int, seconds: flo
         capture_seconds=captured.seconds,
         terms=proof.terms,
         notes=proof.notes,
+        calls_proven=proof.calls.proven if proof.calls else 0,
+        calls_reused=proof.calls.reused if proof.calls else 0,
     )
     finding = proof.finding
     if finding is not None:
@@ -99,7 +108,10 @@ def confirmed(numeric: Callable[[], NumericResult], finding: Finding, elements: 
 
     Structural faults (a partial sum used unreduced, pieces that overlap, a term counted twice)
     differ for almost all weights; a wrong-layout finding could also be a missing rule, so it
-    stands only if the numbers differ. Numbers that agree turn any finding into `unknown`."""
+    stands only if the numbers differ. Numbers that agree turn any finding into `unknown`. Ranks
+    that issue different collectives need no numbers: a real run would hang or mix tensors."""
+    if finding.kind == "mismatched collectives":
+        return finding
     if elements > NUMERIC_CHECK_LIMIT:
         if finding.kind == "wrong layout":
             return replace(finding, verdict="unknown", message=f"{finding.message} (not confirmed: model too large to run)")

@@ -6,6 +6,7 @@ models; it only checks that the required parts exist so a mistake is reported be
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import sys
 from dataclasses import dataclass, field
@@ -102,7 +103,9 @@ def _mode(mode: Any) -> str:
 
 
 def _import_file(path: Path) -> ModuleType:
-    name = f"shardproof_case_{abs(hash(path.resolve()))}"
+    # named from the path alone (not hash(), which differs between processes), so a worker process
+    # importing the same file gives its classes the same qualified names (pickling needs that)
+    name = f"shardproof_case_{hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:16]}"
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise CaseError(f"{path}: not a Python file")

@@ -1,15 +1,24 @@
-"""Prove every check of the captured program on every rank, or diagnose the first failure."""
+"""Prove every check of the captured program on every rank, or diagnose the first failure.
+
+Graphs with calls of repeated modules are proven call by call, each distinct call once (see
+shardproof.partition.execute); where that does not settle it, the expanded programs are proven.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
+from typing import Callable
 
 from shardproof.capture.torch_capture import Captured
 from shardproof.egraph.saturate import prove_equal
 from shardproof.ir.graph import Graph
+from shardproof.partition.boundary import NotPartitioned
+from shardproof.partition.execute import CallProofs, Unmatched, aligned, execute_with_calls, instances, through_call
+from shardproof.partition.templates import expand, has_calls
 from shardproof.relations.diagnose import Diagnoser, Finding
 from shardproof.relations.execute import CollectiveMismatch, Execution, execute
+from shardproof.report.progress import count
 from shardproof.steps import Check
 
 
@@ -18,28 +27,83 @@ class Proof:
     finding: Finding | None  # None: every check proven
     terms: int  # size of the term universe: the proof's working memory
     notes: list[str] = field(default_factory=list)  # what exactly was proven, where it is not obvious
+    calls: CallProofs | None = None  # repeated calls: distinct boundaries proven, calls reused
 
     @property
     def verdict(self) -> str:
         return "equivalent" if self.finding is None else self.finding.verdict
 
 
-def prove(captured: Captured) -> Proof:
-    reference, ranks = captured.reference, captured.ranks
+def prove(captured: Captured, progress: Callable[[str], None] = lambda _: None) -> Proof:
+    reference, ranks, checks = captured.reference, captured.ranks, captured.checks
+    calls = CallProofs() if has_calls(reference) else None
+    if calls is not None:
+        try:
+            proof = _by_calls(reference, ranks, checks, calls, progress)
+            if proof is not None:
+                return proof  # proven, or diverging outside every call (and diagnosed there)
+        except Unmatched as unmatched:
+            proof = _diagnosed_call(reference, ranks, calls, unmatched.index, progress)
+            if proof is not None:
+                return proof
+        progress("proving the expanded programs")
+    reference, ranks = expand(reference), [expand(g) for g in ranks]
+    return _judged(lambda: execute(reference, ranks), reference, ranks, checks, calls)
+
+
+def _by_calls(
+    reference: Graph, ranks: list[Graph], checks: list[Check], calls: CallProofs, progress: Callable[[str], None]
+) -> Proof | None:
+    """Call by call, each distinct call proven once: the proof, or None where calls do not line up."""
+    reference, ranks = aligned(reference, ranks)
+    if not has_calls(reference):
+        return None
+
+    def on_call(done: int, total: int) -> None:
+        count(progress, "calls proven", done, total, calls.reused)
+
+    try:  # calls line up, so collectives between them must too: a mismatch there is a finding
+        return _judged(lambda: execute_with_calls(reference, ranks, calls, on_call), reference, ranks, checks, calls)
+    except NotPartitioned:
+        return None
+
+
+def _diagnosed_call(
+    reference: Graph, ranks: list[Graph], calls: CallProofs, index: int, progress: Callable[[str], None]
+) -> Proof | None:
+    """The programs up to the `index`-th call, that call expanded, diagnosed at its outputs: a bug
+    in one layer is found at the cost of one layer. A discrepancy, or None (prove it all then)."""
+    progress(f"diagnosing call {index}, the first whose outputs differ")
+    reference, ranks = aligned(reference, ranks)
+    outputs = len(instances(reference)[index].outputs)
+    reference, ranks = aligned(through_call(reference, index), [through_call(g, index) for g in ranks], index)
+    checks = [Check(f"output {i} of call {index}", i, i, ("replicate",)) for i in range(outputs)]
     try:
-        run = execute(reference, ranks)
+        proof = _judged(lambda: execute_with_calls(reference, ranks, calls), reference, ranks, checks, calls)
+    except (NotPartitioned, Unmatched):
+        return None
+    return proof if proof.verdict == "discrepancy" else None
+
+
+def _judged(
+    run_graphs: Callable[[], Execution], reference: Graph, ranks: list[Graph], checks: list[Check], calls: CallProofs | None
+) -> Proof:
+    """Execute, then prove the checks in order; the first that fails is diagnosed (ranks issuing
+    different collectives are a discrepancy of their own)."""
+    try:
+        run = run_graphs()
     except CollectiveMismatch as mismatch:
         finding = Finding("discrepancy", "mismatched collectives", f"mismatched collectives: {mismatch}", mismatch.nodes)
-        return Proof(finding, 0)
+        return Proof(finding, 0, calls=calls)
     notes: list[str] = []
-    for check in captured.checks:
+    for check in checks:
         unproven = _unproven(run, reference, ranks, check, notes)
         if unproven:
             finding = Diagnoser(run, reference, ranks).diagnose(unproven)
             if check.relation in ("loss", "rank"):  # training checks: say which loss or gradient
                 finding = replace(finding, message=f"{check.label}: {finding.message}")
-            return Proof(finding, len(run.rules.u), notes)
-    return Proof(None, len(run.rules.u), notes)
+            return Proof(finding, len(run.rules.u), notes, calls)
+    return Proof(None, len(run.rules.u), notes, calls)
 
 
 def _unproven(run: Execution, reference: Graph, ranks: list[Graph], check: Check, notes: list[str]) -> list[tuple[int, int]]:

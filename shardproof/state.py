@@ -24,6 +24,13 @@ def rank_state(
     case: Case, ref_state: dict[str, torch.Tensor], dist_model: torch.nn.Module, rank: int, world_size: int
 ) -> dict[str, torch.Tensor]:
     """This rank's state dict; plain shards are wrapped as DTensors where the model holds DTensors."""
+    return as_model_holds(local_shards(case, ref_state, dist_model, rank, world_size), dist_model)
+
+
+def local_shards(
+    case: Case, ref_state: dict[str, torch.Tensor], dist_model: torch.nn.Module, rank: int, world_size: int
+) -> dict[str, torch.Tensor]:
+    """This rank's plain tensors, in the model's state order: the checkpoint loader's work."""
     wanted = module_state(dist_model)
     if case.shard_state is not None:
         local = case.shard_state(ref_state, rank, world_size)
@@ -33,8 +40,13 @@ def rank_state(
         missing = sorted(set(wanted) - set(local))
         if missing:
             raise CaseError(f"shard_state did not return these tensors of the distributed model: {missing[:5]}")
-    else:
-        local = {name: _infer_shard(name, held, ref_state, rank, world_size) for name, held in wanted.items()}
+        return {name: local[name] for name in wanted}
+    return {name: _infer_shard(name, held, ref_state, rank, world_size) for name, held in wanted.items()}
+
+
+def as_model_holds(local: dict[str, torch.Tensor], dist_model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Plain shards wrapped as DTensors where the model holds DTensors."""
+    wanted = module_state(dist_model)
     return {name: _as_model_holds(tensor, wanted[name]) for name, tensor in local.items()}
 
 

@@ -29,7 +29,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from shardproof.case import Case, Output
 from shardproof.errors import CaseError
-from shardproof.state import rank_inputs, rank_state
+from shardproof.state import as_model_holds, local_shards, module_state, rank_inputs, rank_state
 
 Tensors = list[torch.Tensor]
 
@@ -52,6 +52,8 @@ class Program:
     """The forward program: the model's outputs under the case's OUTPUT layout."""
 
     bound: tuple[int, ...] = ()  # reference outputs each rank program receives
+    loads_separately = True  # `rank` is `load` then `run_loaded`: capture may trace the loader on its own
+    differentiates = False  # no gradient flows through the traced program
 
     def __init__(self, case: Case):
         self.case = case
@@ -61,8 +63,17 @@ class Program:
 
     def rank(self, model: torch.nn.Module, ref_state: dict, inputs: tuple, rank: int, world_size: int,
              bound: Tensors) -> Tensors:
-        state = rank_state(self.case, ref_state, model, rank, world_size)
-        return flat_tensors(functional_call(model, state, rank_inputs(self.case, inputs, rank, world_size)))
+        return self.run_loaded(model, self.load(model, ref_state, inputs, rank, world_size))
+
+    def load(self, model: torch.nn.Module, ref_state: dict, inputs: tuple, rank: int, world_size: int) -> Tensors:
+        """The checkpoint loader alone: the rank's plain shards (in the model's state order), then its inputs."""
+        shards = local_shards(self.case, ref_state, model, rank, world_size)
+        return [*shards.values(), *rank_inputs(self.case, inputs, rank, world_size)]
+
+    def run_loaded(self, model: torch.nn.Module, loaded: Tensors) -> Tensors:
+        held = list(module_state(model))
+        state = as_model_holds(dict(zip(held, loaded)), model)
+        return flat_tensors(functional_call(model, state, tuple(loaded[len(held) :])))
 
     def checks(self, reference_outputs: int, rank_outputs: int, rank_params: list[str], rank: int) -> list[Check]:
         if rank_outputs != reference_outputs:
@@ -73,6 +84,9 @@ class Program:
 
 class TrainingProgram(Program):
     """One training step: loss, gradients and (with `step`) the updated parameters."""
+
+    loads_separately = False  # the loader also runs on the reference gradients, inside the step
+    differentiates = True
 
     def __init__(self, case: Case, reference_params: list[str], step: bool):
         super().__init__(case)

@@ -24,14 +24,17 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from shardproof.capture.dispatch_trace import NotPlain, Traced, chain, record
 from shardproof.capture.locations import anchor_user_code, autograd_origins, locator
 from shardproof.capture.meshes import RealDeviceMeshes, distinct_meshes
 from shardproof.case import Case
 from shardproof.errors import CaptureError, CaseError, ShardproofError
 from shardproof.ir.from_fx import Lowerer
 from shardproof.ir.graph import BOUND_LEAF_PREFIX, Graph
+from shardproof.partition.module_calls import trace_with_memo
+from shardproof.report.progress import count
 from shardproof.state import module_state
-from shardproof.steps import Check, program_for, trainable_names
+from shardproof.steps import Check, Program, program_for, trainable_names
 
 aten = torch.ops.aten
 
@@ -44,14 +47,79 @@ class Captured:
     seconds: float
 
 
+RankTracer = Callable[[list[int]], Iterator[Graph]]
+
+
 def capture(
-    case: Case, world_size: int, progress: Callable[[str], None] = lambda _: None, mode: str = "forward"
+    case: Case,
+    world_size: int,
+    progress: Callable[[str], None] = lambda _: None,
+    mode: str = "forward",
+    memo: bool = True,
+    placement: Callable[[float], RankTracer | None] = lambda seconds: None,
 ) -> Captured:
     """Trace the reference once and each rank once; every failure becomes a CaptureError.
 
     A rank's trace also takes the reference outputs its program is bound to (training mode: the
-    reference gradients) as leaves named `reference-output:<index>`."""
+    reference gradients) as leaves named `reference-output:<index>`. With `memo`, a module call
+    interchangeable with an earlier one is not traced again but becomes a `call` of the earlier
+    one's graph (see shardproof.partition.module_calls). `placement`, given the seconds rank 0
+    took, may return a function tracing the other ranks elsewhere (a worker pool, see
+    shardproof.partition.backends) that yields their graphs in rank order (forward mode only)."""
     start = time.perf_counter()
+    with _session(case, world_size, mode) as session:
+        progress("tracing reference")
+        reference = _trace_reference(session, memo)
+        bound = [_placeholder(reference, i) for i in session.program.bound]
+        ranks: list[Graph] = []
+        checks: list[Check] | None = None
+        rest: RankTracer | None = None
+        for rank in range(world_size):
+            if rest is not None:
+                progress(f"tracing ranks {rank}..{world_size - 1} in workers")
+                for graph in rest(list(range(rank, world_size))):
+                    ranks.append(graph)
+                    session.program.checks(len(reference.outputs), len(graph.outputs), [], graph.rank)
+                break
+            progress(f"tracing rank {rank}/{world_size}")
+            traced = time.perf_counter()
+            graph, model = _trace_rank(session, rank, bound, memo)
+            ranks.append(graph)
+            rank_checks = session.program.checks(len(reference.outputs), len(graph.outputs), trainable_names(model), rank)
+            if checks is not None and [c.label for c in checks] != [c.label for c in rank_checks]:
+                raise CaseError(f"rank {rank} has other parameters than rank 0; every rank must hold the same names")
+            checks = rank_checks
+            count(progress, "ranks traced", rank + 1, world_size)
+            if rank == 0 and not session.program.bound:
+                rest = placement(time.perf_counter() - traced)
+    return Captured(reference, ranks, checks or [], time.perf_counter() - start)
+
+
+def capture_ranks(case: Case, world_size: int, ranks: list[int], memo: bool = True) -> list[Graph]:
+    """Trace only `ranks` of a forward program (a worker's share of a capture)."""
+    with _session(case, world_size, "forward") as session:
+        return [_trace_rank(session, rank, [], memo)[0] for rank in ranks]
+
+
+@dataclass
+class _Session:
+    """Fake mode's reference model, its program, and the leaves every graph is traced over."""
+
+    case: Case
+    world_size: int
+    program: Program
+    model: torch.nn.Module
+    state_names: list[str]
+    tensors: list[torch.Tensor]  # the reference's state, then its inputs
+    names: list[str]
+
+    def unpack(self, args: tuple) -> tuple[dict[str, torch.Tensor], tuple]:
+        count = len(self.state_names)
+        return dict(zip(self.state_names, args[:count])), tuple(args[count : len(self.tensors)])
+
+
+@contextlib.contextmanager
+def _session(case: Case, world_size: int, mode: str) -> Iterator[_Session]:
     if case.source is not None:
         anchor_user_code(case.source_functions, case.source.parent)
     with FakeTensorMode(allow_non_fake_inputs=True):
@@ -60,38 +128,42 @@ def capture(
             ref_state = module_state(ref_model)
             ref_inputs = tuple(_build("inputs()", case.inputs))
         program = program_for(case, ref_model, mode)
-        names = list(ref_state)
-        leaf_names = [f"state:{n}" for n in names] + [f"input:{i}" for i in range(len(ref_inputs))]
-        leaves = [*ref_state.values(), *ref_inputs]
+        names = [f"state:{n}" for n in ref_state] + [f"input:{i}" for i in range(len(ref_inputs))]
+        yield _Session(case, world_size, program, ref_model, list(ref_state), [*ref_state.values(), *ref_inputs], names)
 
-        def unpack(args: tuple) -> tuple[dict[str, torch.Tensor], tuple]:
-            return dict(zip(names, args[: len(names)])), tuple(args[len(names) : len(leaves)])
 
-        def run_reference(*args: torch.Tensor) -> list[torch.Tensor]:
-            return program.reference(ref_model, *unpack(args))
+def _trace_reference(session: _Session, memo: bool) -> Graph:
+    def run_reference(*args: torch.Tensor) -> list[torch.Tensor]:
+        return session.program.reference(session.model, *session.unpack(args))
 
-        progress("tracing reference")
-        reference_gm = _trace_fx("the reference model", run_reference, leaves, [])
-        bound = [_placeholder(reference_gm, i) for i in program.bound]
-        reference = _lower(reference_gm, leaf_names, [], None)
-        bound_names = [f"{BOUND_LEAF_PREFIX}{i}" for i in program.bound]
-        ranks, checks = [], None
-        for rank in range(world_size):
-            progress(f"tracing rank {rank}/{world_size}")
-            with _process_group(rank, world_size):
-                model = _build(f"distributed({rank}, {world_size})", lambda: case.distributed(rank, world_size))
+    model = session.model if memo else None
+    return _trace("the reference model", run_reference, session.tensors, session.names, [], None, model, session.program)
 
-                def run_rank(*args: torch.Tensor, model=model, rank=rank) -> list[torch.Tensor]:
-                    return program.rank(model, *unpack(args), rank, world_size, list(args[len(leaves) :]))
 
-                with _recorded_reduce_ops() as reduce_ops:
-                    gm = _trace_fx(f"rank {rank}", run_rank, leaves + bound, reduce_ops)
-                ranks.append(_lower(gm, leaf_names + bound_names, reduce_ops, rank))
-                rank_checks = program.checks(len(reference.outputs), len(ranks[-1].outputs), trainable_names(model), rank)
-                if checks is not None and [c.label for c in checks] != [c.label for c in rank_checks]:
-                    raise CaseError(f"rank {rank} has other parameters than rank 0; every rank must hold the same names")
-                checks = rank_checks
-    return Captured(reference, ranks, checks or [], time.perf_counter() - start)
+def _trace_rank(session: _Session, rank: int, bound: list[torch.Tensor], memo: bool) -> tuple[Graph, torch.nn.Module]:
+    """The rank's graph (its checkpoint loader, then its model, over the reference's leaves) and model."""
+    program, world_size = session.program, session.world_size
+    with _process_group(rank, world_size):
+        model = _build(f"distributed({rank}, {world_size})", lambda: session.case.distributed(rank, world_size))
+        memo_model = model if memo else None
+        with _recorded_reduce_ops() as reduce_ops:
+            if program.loads_separately:
+
+                def load(*args: torch.Tensor) -> list[torch.Tensor]:
+                    return program.load(model, *session.unpack(args), rank, world_size)
+
+                def run_loaded(*loaded: torch.Tensor) -> list[torch.Tensor]:
+                    return program.run_loaded(model, list(loaded))
+
+                what, names = f"rank {rank}", session.names
+                return _trace(what, run_loaded, session.tensors, names, reduce_ops, rank, memo_model, program, load), model
+
+            def run_rank(*args: torch.Tensor) -> list[torch.Tensor]:
+                return program.rank(model, *session.unpack(args), rank, world_size, list(args[len(session.tensors) :]))
+
+            names = session.names + [f"{BOUND_LEAF_PREFIX}{i}" for i in program.bound]
+            leaves = session.tensors + bound
+            return _trace(f"rank {rank}", run_rank, leaves, names, reduce_ops, rank, memo_model, program), model
 
 
 # Composite backward and optimizer ops, broken into the primitive ops the rules know.
@@ -104,24 +176,62 @@ _DECOMPOSED = get_decompositions([
 ])
 
 
-def _trace_fx(what: str, fn: Callable, leaves: list, reduce_ops: list[str]) -> fx.GraphModule:
-    try:
+def _trace(
+    what: str,
+    fn: Callable,
+    leaves: list,
+    leaf_names: list[str],
+    reduce_ops: list[str],
+    rank: int | None,
+    model: torch.nn.Module | None,
+    program: Program,
+    loader: Callable | None = None,
+) -> Graph:
+    """Trace `fn` (after `loader`, which maps the leaves to `fn`'s arguments) into IR; with `model`,
+    its repeated submodules' calls are traced once. The loader is plain slicing code run once per
+    rank: it is recorded by the light tracer where it handles plain tensors only."""
+    loaded, arguments = None, leaves
+    if loader is not None:
+        try:
+            loaded, arguments = _failing_as_capture_error(what, lambda: record(loader, leaves))
+        except NotPlain:  # a loader handling DTensors: traced with make_fx, as part of `fn`
+            fn = _after(loader, fn)
+
+    def trace() -> Traced | fx.GraphModule:
+        gm = _trace_fx(what, fn, arguments)
+        return gm if loaded is None else chain(loaded, gm)
+
+    def lower(gm: Traced | fx.GraphModule, names: list[str], ops: list[str]) -> Graph:
+        return Lowerer(gm, names, locator(gm), ops, _group_ranks, rank).run()
+
+    return trace_with_memo(model, reduce_ops, trace, leaf_names, lower, program.differentiates)
+
+
+def _trace_fx(what: str, fn: Callable, leaves: list) -> fx.GraphModule:
+    def run() -> fx.GraphModule:
         with autograd_origins():
             return make_fx(fn, decomposition_table=_DECOMPOSED, tracing_mode="real", record_stack_traces=True)(*leaves)
-    except ShardproofError:
+
+    return _failing_as_capture_error(what, run)
+
+
+def _after(first: Callable, then: Callable) -> Callable:
+    return lambda *args: then(*first(*args))
+
+
+def _failing_as_capture_error(what: str, run: Callable[[], Any]) -> Any:
+    try:
+        return run()
+    except (ShardproofError, NotPlain):
         raise
     except Exception as err:  # noqa: BLE001 - any tracing failure is reported with the user's frame
         raise CaptureError(f"tracing {what} failed: {type(err).__name__}: {_first_line(err)}{_user_frame(err)}") from err
 
 
-def _lower(gm: fx.GraphModule, leaf_names: list[str], reduce_ops: list[str], rank: int | None) -> Graph:
-    return Lowerer(gm, leaf_names, locator(gm), reduce_ops, _group_ranks, rank).run()
-
-
-def _placeholder(gm: fx.GraphModule, output_index: int) -> torch.Tensor:
-    """A fake tensor shaped like one of a traced graph's outputs."""
-    value = gm.graph.output_node().args[0][output_index].meta["val"]
-    return torch.empty(value.shape, dtype=value.dtype)
+def _placeholder(reference: Graph, output_index: int) -> torch.Tensor:
+    """A fake tensor shaped like one of the reference's outputs."""
+    node = reference[reference.outputs[output_index]]
+    return torch.empty(node.shape, dtype=getattr(torch, node.dtype))
 
 
 def _build(what: str, fn: Callable[[], Any]) -> Any:

@@ -959,3 +959,8 @@ _LOWER: dict[str, Callable[..., Value]] = {
     "_c10d_functional.wait_tensor": _passthrough,
 }
 _LOWER = {k: v for k, v in _LOWER.items() if v is not None}
+
+
+def register_lowering(key: str, lower: Callable[..., Value]) -> None:
+    """Lower FX calls of `key` (an op of another package, e.g. shardproof.partition's) with `lower`."""
+    _LOWER[key] = lower

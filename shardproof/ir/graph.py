@@ -75,5 +75,12 @@ class Graph:
         return [self.nodes[i] for i in sorted(seen)]
 
     def op_count(self) -> int:
-        """Operations that compute something (leaves and constants are not counted)."""
-        return sum(1 for n in self.nodes if n.op not in ("leaf", "const"))
+        """Operations that compute something (leaves and constants are not counted); a `call` of a
+        repeated module's graph counts that graph's operations (once, at its first output)."""
+        count = 0
+        for n in self.nodes:
+            if n.op == "call":
+                count += n.attrs[0].op_count() if n.attrs[1] == 0 else 0
+            elif n.op not in ("leaf", "const"):
+                count += 1
+        return count

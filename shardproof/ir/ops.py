@@ -105,6 +105,7 @@ _SPECS = [
     OpSpec("all_reduce", "collective", None, "sum, mean or max (attrs[0]) over the group attrs[1]"),
     OpSpec("all_gather", "collective", None, "concatenate every rank's tensor along attrs[0] over group attrs[1]"),
     OpSpec("reduce_scatter", "collective", None, "sum over ranks, this rank keeps chunk rank of dim attrs[0]"),
+    OpSpec("call", "call", None, "output attrs[1] of a repeated module's graph attrs[0] on the inputs (shardproof.partition)"),
 ]
 
 OPS: dict[str, OpSpec] = {spec.name: spec for spec in _SPECS}

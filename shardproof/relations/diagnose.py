@@ -24,6 +24,14 @@ STRUCTURAL = {"slice", "cat", "bcast", "repeat", "lin", "full", "const", *PIECES
 LAYOUT_OPS = {"view", "permute", "slice", "expand", "convert", "cat"}
 
 
+def grounded(rules: Rules, t: int, memo: dict[int, bool]) -> bool:
+    """Built from reference values by regions and linear structure only: still agreeing."""
+    if t not in memo:
+        term = rules.u[t]
+        memo[t] = rules.in_reference(t) or (term.op in STRUCTURAL and all(grounded(rules, a, memo) for a in term.args))
+    return memo[t]
+
+
 @dataclass
 class Finding:
     verdict: str  # "discrepancy" or "unknown"
@@ -49,13 +57,7 @@ class Diagnoser:
 
     # --- what counts as still agreeing -------------------------------------------------------
     def grounded(self, t: int) -> bool:
-        """Built from reference values by regions and linear structure only."""
-        if t not in self._grounded:
-            term = self.r.u[t]
-            self._grounded[t] = self.r.in_reference(t) or (
-                term.op in STRUCTURAL and all(self.grounded(a) for a in term.args)
-            )
-        return self._grounded[t]
+        return grounded(self.r, t, self._grounded)
 
     def region_of_reference(self, t: int) -> bool:
         return self.r.in_reference(t) or any(self.r.in_reference(root) for root, _ in self.r.regions(t))

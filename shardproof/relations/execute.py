@@ -47,7 +47,7 @@ def execute(reference: Graph, ranks: list[Graph], rules: Rules | None = None) ->
         pending = [r for r, g in enumerate(ranks) if cursors[r] < len(g.nodes)]
         if not pending:
             return Execution(rules, ref_terms, rank_terms)
-        _resolve(rules, ranks, rank_terms, cursors, pending)
+        resolve_collective(rules, ranks, rank_terms, cursors, pending)
 
 
 def _next_collective(graph: Graph, start: int) -> int:
@@ -78,7 +78,9 @@ def term_of(rules: Rules, node: Node, terms: list[int], rank: int | None, bound:
     return rules.build(node.op, args, node.attrs, node.shape, node.dtype)
 
 
-def _resolve(rules: Rules, ranks: list[Graph], terms: list[list[int]], cursors: list[int], pending: list[int]) -> None:
+def resolve_collective(
+    rules: Rules, ranks: list[Graph], terms: list[list[int]], cursors: list[int], pending: list[int]
+) -> None:
     """Resolve one collective that every member of its group has reached. Ranks outside the group
     may wait at collectives of other groups (a 2-D mesh interleaves its TP and DP groups); when
     no group is complete, the ranks would hang."""
@@ -108,7 +110,11 @@ def _waiting_at(ranks: list[Graph], cursors: list[int], rank: int) -> Node | Non
 
 def _mismatch(first: int, node: Node, others: list[tuple[int, Node | None]]) -> CollectiveMismatch:
     def doing(n: Node | None) -> str:
-        return "has finished" if n is None else f"calls {n.op} over ranks {list(_group_of(n))}"
+        if n is None:
+            return "has finished"
+        if n.op == "call":  # a repeated module's call (shardproof.partition), collectives inside
+            return f"calls module {n.attrs[2]}"
+        return f"calls {n.op} over ranks {list(_group_of(n))}"
 
     return CollectiveMismatch(
         f"rank {first} calls {node.op} over ranks {list(_group_of(node))} but "
@@ -126,7 +132,8 @@ def _exchange(rules: Rules, ranks: list[Graph], terms: list[list[int]], cursors:
 
 
 def _group_of(node: Node) -> tuple[int, ...]:
-    return tuple(node.attrs[-1])
+    """The ranks of a collective's group (none for a call, which is not a collective)."""
+    return () if node.op == "call" else tuple(node.attrs[-1])
 
 
 def _collective(rules: Rules, node: Node, inputs: list[int], position: int) -> int:

@@ -39,6 +39,8 @@ class Report:
     notes: list[str] = field(default_factory=list)  # what exactly was proven (e.g. a loss as a mean over ranks)
     inputs: list[str] = field(default_factory=list)  # imported graphs: the input relations assumed
     outputs_compared: str | None = None  # imported graphs: how many outputs were compared
+    calls_proven: int = 0  # distinct repeated-module calls proven (layer memoization)
+    calls_reused: int = 0  # calls answered from one of those proofs
 
     @property
     def exit_code(self) -> int:

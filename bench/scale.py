@@ -1,0 +1,114 @@
+"""Scale: Llama-3.1-405B shapes (examples/llama_tp.py, preset llama3.1-405b) over world sizes and depths.
+
+Sweeps of issue 5: world sizes 8, 16, 64 at the full 126 layers, and depths 1, 2, 4, 8, 16, 32, 126
+at TP=8. Each configuration runs twice, each time in a fresh spawned child (so peak RSS is its
+own): with memoization (the default) and without it (every layer traced and proven), the latter
+bounded by --baseline-timeout. Prints one table, then the ratios the issue sets targets for.
+Run `python bench/scale.py --help`; columns are described in bench/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from verify_llama import Row, fmt, int_list, render, run_configuration  # noqa: E402
+
+PRESET = "llama3.1-405b"
+HEADERS = [
+    "sweep", "ws", "layers", "verdict", "capture s", "proof s", "total s", "peak MiB", "memo hits",
+    "no-memo s", "no-memo / memo",
+]  # fmt: skip
+TARGETS = [  # (what, numerator (ws, layers), denominator, target)
+    ("depth: 126 layers / 8 layers", (8, 126), (8, 8), 3.0),
+    ("world size: 64 / 8", (64, 126), (8, 126), 1.5),
+]
+
+
+@dataclass
+class Measured:
+    sweep: str
+    memo: Row
+    baseline: Row  # the same configuration without memoization
+    limit: float  # the baseline's timeout
+
+    def cells(self) -> list[str]:
+        m = self.memo
+        return [
+            self.sweep, str(m.world_size), str(m.layers), m.verdict,
+            fmt(m.capture, ".2f"), fmt(m.proof, ".2f"), fmt(m.total, ".2f"), fmt(m.peak_mib, ".0f"),
+            hit_rate(m), _baseline_seconds(self), speedup(self),
+        ]  # fmt: skip
+
+
+def hit_rate(row: Row) -> str:
+    """Calls answered from an earlier proof, of all repeated-module calls."""
+    if row.calls_proven is None or row.calls_reused is None or row.calls_proven + row.calls_reused == 0:
+        return "-"
+    calls = row.calls_proven + row.calls_reused
+    return f"{row.calls_reused / calls:.0%} of {calls}"
+
+
+def _baseline_seconds(measured: Measured) -> str:
+    if measured.baseline.verdict == "timeout":
+        return f"> {measured.limit:.0f}"
+    return fmt(measured.baseline.total, ".1f")
+
+
+def speedup(measured: Measured) -> str:
+    memo, base = measured.memo, measured.baseline
+    if memo.total is None:
+        return "-"
+    if base.verdict == "timeout":
+        return f"> {measured.limit / memo.total:.1f}x"
+    return "-" if base.total is None else f"{base.total / memo.total:.1f}x"
+
+
+def target_lines(measured: list[Measured]) -> list[list[str]]:
+    timed = {(m.memo.world_size, m.memo.layers): m.memo for m in measured if m.memo.total is not None}
+    lines = []
+    for what, num, den, target in TARGETS:
+        if num in timed and den in timed:
+            ratio = timed[num].total / timed[den].total
+            lines.append([what, f"{ratio:.2f}x", f"< {target}x", "met" if ratio < target else "not met"])
+    return lines
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-sizes", type=int_list, default=[8, 16, 64], help="at 126 layers; default 8,16,64")
+    parser.add_argument("--depths", type=int_list, default=[1, 2, 4, 8, 16, 32, 126], help="at TP=8")
+    parser.add_argument("--baseline-timeout", type=float, default=600.0, help="seconds for a run without memoization")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds for a run with memoization")
+    parser.add_argument("--backend", default="none", help="where ranks are traced (default: in the child itself)")
+    parser.add_argument("--markdown", action="store_true", help="emit markdown tables")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    plan: dict[tuple[int, int], list[str]] = {}  # (ws, layers) -> the sweeps it belongs to
+    for ws in args.world_sizes:
+        plan.setdefault((ws, 126), []).append("ws")
+    for layers in args.depths:
+        plan.setdefault((8, layers), []).append("depth")
+    measured = []
+    for (ws, layers), sweeps in plan.items():
+        sweep = "+".join(sweeps)
+        memo = run_configuration(ws, layers, PRESET, args.timeout, memo=True, backend=args.backend)
+        base = run_configuration(ws, layers, PRESET, args.baseline_timeout, memo=False, backend=args.backend)
+        measured.append(Measured(sweep, memo, base, args.baseline_timeout))
+        print(f"{sweep} ws={ws} layers={layers}: {memo.verdict} {fmt(memo.total, '.1f')} s", file=sys.stderr, flush=True)
+    print(f"examples/llama_tp.py, preset {PRESET}, n_layers overridden; backend {args.backend}\n")
+    print(render(HEADERS, [m.cells() for m in measured], args.markdown) + "\n")
+    lines = target_lines(measured)
+    if lines:
+        print(render(["target", "measured", "goal", ""], lines, args.markdown))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,252 @@
+"""Symbolic execution that proves each distinct repeated call once (layer memoization).
+
+The reference runs first; each of its calls becomes an opaque term `call(args)` with attrs
+(template, output index): output i of that template applied to those arguments. The ranks then run
+in lock-step. When every rank reaches its k-th call, the reference's k-th call and the ranks' are
+proven together in a small universe of their own, over the call's canonical boundary (see
+`boundary`): the reference's arguments are fresh leaves, so the small proof holds whatever they are.
+Each rank's outputs, now written over the reference call's outputs and arguments, are carried back
+with those leaves replaced by the reference's actual arguments and its outputs by the opaque terms.
+The outcome is the same universe a full execution would build, up to the opaque terms: the caller
+compares outputs as usual.
+
+A boundary already proven is not proven again: 125 identical layers share one small proof. Calls
+that do not line up between the reference and the ranks raise NotPartitioned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Hashable
+
+from shardproof.ir.graph import BOUND_LEAF_PREFIX, Graph
+from shardproof.ir.ops import OPS
+from shardproof.partition.boundary import Boundary, NotPartitioned, build_entries, read_boundary, transplant
+from shardproof.partition.templates import Template, expand
+from shardproof.relations.diagnose import grounded
+from shardproof.relations.execute import CollectiveMismatch, Execution, resolve_collective, term_of
+from shardproof.relations.rules import Rules
+
+Bindings = dict[str, int]  # leaf name -> term: a template's `arg:i` leaves, bound reference outputs
+
+
+class Unmatched(Exception):
+    """The `index`-th call's outputs on some rank do not agree with the reference's, or the ranks
+    issue different collectives inside it."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__(f"call {index} parts ways with the reference")
+        self.index = index
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One call: the nodes of its outputs (consecutive, by output index) and of its inputs."""
+
+    template: Template
+    module: str
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+
+
+def instances(graph: Graph) -> list[Instance]:
+    found: list[Instance] = []
+    for node in graph.nodes:
+        if node.op != "call":
+            continue
+        template, index, module = node.attrs
+        if index == 0:
+            found.append(Instance(template, module, node.inputs, (node.id,)))
+        else:
+            last = found[-1]
+            found[-1] = Instance(last.template, module, last.inputs, last.outputs + (node.id,))
+    return found
+
+
+def aligned(reference: Graph, ranks: list[Graph], expand_call: int | None = None) -> tuple[Graph, list[Graph]]:
+    """The graphs with only those calls kept that every graph makes, to the same modules (by
+    qualified name and occurrence) in the same order, except the `expand_call`-th of them; other
+    calls expanded into plain ops."""
+    graphs = [reference, *ranks]
+    sites = [_sites(g) for g in graphs]
+    common = set(sites[0]).intersection(*sites[1:])
+    orders = {tuple(s for s in graph_sites if s in common) for graph_sites in sites}
+    if len(orders) != 1:
+        common = set()
+    elif expand_call is not None:
+        common.discard(orders.pop()[expand_call])
+    kept = []
+    for graph, graph_sites in zip(graphs, sites):
+        keep_ids = {o for inst, site in zip(instances(graph), graph_sites) if site in common for o in inst.outputs}
+        kept.append(expand(graph, lambda node: node.id in keep_ids))
+    return kept[0], kept[1:]
+
+
+def through_call(graph: Graph, index: int) -> Graph:
+    """The graph up to its `index`-th call, whose outputs become the graph's."""
+    call = instances(graph)[index]
+    return Graph(graph.nodes[: call.outputs[-1] + 1], list(call.outputs), graph.rank)
+
+
+def _sites(graph: Graph) -> list[tuple[str, int]]:
+    """(module, occurrence) of each call: the second call of one module is (name, 1)."""
+    seen: dict[str, int] = {}
+    out = []
+    for inst in instances(graph):
+        out.append((inst.module, seen.get(inst.module, 0)))
+        seen[inst.module] = out[-1][1] + 1
+    return out
+
+
+@dataclass
+class CallProof:
+    """A proven boundary: its universe, the terms standing for the boundary's leaves, the
+    reference call's outputs, and each rank's outputs there."""
+
+    rules: Rules
+    leaves: list[int]  # term of each boundary entry that is a leaf (cut or free), in entry order
+    reference_outputs: list[int]
+    rank_outputs: list[list[int]]
+
+
+@dataclass
+class CallProofs:
+    """Proofs by boundary; `proven` distinct boundaries, `reused` calls answered from them."""
+
+    proofs: dict[Hashable, CallProof] = field(default_factory=dict)
+    proven: int = 0
+    reused: int = 0
+
+    def outputs(
+        self, rules: Rules, reference: tuple[Instance, list[int], list[int]], ranks: list[tuple[Instance, list[int]]]
+    ) -> list[list[int]]:
+        """Each rank's output terms for one call, in `rules`' universe."""
+        ref_instance, ref_args, ref_outputs = reference
+        boundary = read_boundary(rules.u, ref_args, [args for _, args in ranks], rules.in_reference)
+        templates = (ref_instance.template, tuple(instance.template for instance, _ in ranks))
+        key = boundary.key(templates)
+        proof = self.proofs.get(key)
+        if proof is None:
+            proof = self.proofs[key] = prove_call(boundary, ref_instance.template, [i.template for i, _ in ranks])
+            self.proven += 1
+        else:
+            self.reused += 1
+        substitution = dict(zip(proof.leaves, boundary.cuts + boundary.frees))
+        substitution.update(zip(proof.reference_outputs, ref_outputs))
+        return [transplant(proof.rules.u, rules, outs, substitution) for outs in proof.rank_outputs]
+
+
+def prove_call(boundary: Boundary, reference: Template, ranks: list[Template]) -> CallProof:
+    """Run the reference template and the rank templates over the boundary, in a universe of their own."""
+    rules = Rules()
+    terms: list[int] = []
+    first_rank_entry = len(boundary.cuts)  # cut entries come first: the reference's arguments
+    build_entries(rules, boundary.entries, terms, first_rank_entry)
+    ref_graph = reference.expanded()
+    ref_terms = run_reference(rules, ref_graph, _bindings(boundary.reference_args, terms))
+    build_entries(rules, boundary.entries, terms)
+    graphs = [t.expanded() for t in ranks]
+    bound = [_bindings(args, terms) for args in boundary.rank_args]
+    rank_terms = run_ranks(rules, graphs, bound, [], CallProofs())
+    leaves = [terms[i] for i, entry in enumerate(boundary.entries) if entry[0] == "cut"]
+    leaves += [terms[i] for i, entry in enumerate(boundary.entries) if entry[0] == "free"]
+    return CallProof(
+        rules,
+        leaves,
+        [ref_terms[i] for i in ref_graph.outputs],
+        [[terms_r[i] for i in g.outputs] for g, terms_r in zip(graphs, rank_terms)],
+    )
+
+
+def _bindings(entries: tuple[int, ...], terms: list[int]) -> Bindings:
+    return {f"arg:{i}": terms[e] for i, e in enumerate(entries)}
+
+
+OnCall = Callable[[int, int], None]  # (calls resolved, calls in all)
+
+
+def execute_with_calls(
+    reference: Graph, ranks: list[Graph], proofs: CallProofs, on_call: OnCall = lambda done, total: None
+) -> Execution:
+    """Execute graphs whose calls line up (see `aligned`), proving each distinct call boundary once."""
+    ref_calls = instances(reference)
+    if any(len(instances(g)) != len(ref_calls) for g in ranks):
+        raise NotPartitioned("the ranks make other module calls than the reference")
+    rules = Rules()
+    ref_terms = run_reference(rules, reference, {})
+    calls = [(c, [ref_terms[i] for i in c.inputs], [ref_terms[o] for o in c.outputs]) for c in ref_calls]
+    bound = {f"{BOUND_LEAF_PREFIX}{i}": ref_terms[out] for i, out in enumerate(reference.outputs)}
+    return Execution(rules, ref_terms, run_ranks(rules, ranks, [bound for _ in ranks], calls, proofs, on_call))
+
+
+def run_reference(rules: Rules, graph: Graph, bound: Bindings) -> list[int]:
+    """The reference's terms (calls opaque); afterwards the universe's terms so far count as the reference's."""
+    terms: list[int] = []
+    _run_local(rules, graph, terms, 0, len(graph.nodes), bound, opaque_calls=True)
+    rules.reference_size = len(rules.u)
+    return terms
+
+
+def run_ranks(
+    rules: Rules,
+    graphs: list[Graph],
+    bound: list[Bindings],
+    ref_calls: list[tuple[Instance, list[int], list[int]]],
+    proofs: CallProofs,
+    on_call: OnCall = lambda done, total: None,
+) -> list[list[int]]:
+    """The ranks in lock-step: to the next collective or call, then that collective for its group,
+    or the next call for every rank at once. Unmatched once a call's outputs on some rank stop
+    agreeing with the reference (not built from its values by layout and linear structure): what
+    follows depends on them, and is better diagnosed where it starts."""
+    terms: list[list[int]] = [[] for _ in graphs]
+    agreeing: dict[int, bool] = {}
+    cursors = [0] * len(graphs)
+    calls = [instances(g) for g in graphs] if ref_calls else []
+    done = 0  # calls resolved so far (the same count on every rank)
+    while True:
+        for r, graph in enumerate(graphs):
+            stop = _next_sync(graph, cursors[r])
+            _run_local(rules, graph, terms[r], cursors[r], stop, bound[r], opaque_calls=False)
+            cursors[r] = stop
+        pending = [r for r, g in enumerate(graphs) if cursors[r] < len(g.nodes)]
+        if not pending:
+            return terms
+        at_collective = [r for r in pending if graphs[r].nodes[cursors[r]].op != "call"]
+        if at_collective:
+            resolve_collective(rules, graphs, terms, cursors, at_collective + [r for r in pending if r not in at_collective])
+            continue
+        if len(pending) != len(graphs) or done >= len(ref_calls):
+            raise NotPartitioned("the ranks reach module calls at different points")
+        here = [calls[r][done] for r in range(len(graphs))]
+        if any(inst.outputs != tuple(range(cursors[r], cursors[r] + len(inst.outputs))) for r, inst in enumerate(here)):
+            raise NotPartitioned("a call's outputs are not consecutive")
+        try:
+            outputs = proofs.outputs(rules, ref_calls[done], [(inst, [terms[r][i] for i in inst.inputs]) for r, inst in enumerate(here)])
+        except CollectiveMismatch as mismatch:
+            raise Unmatched(done) from mismatch
+        if not all(grounded(rules, t, agreeing) for outs in outputs for t in outs):
+            raise Unmatched(done)
+        for r, outs in enumerate(outputs):
+            terms[r].extend(outs)
+            cursors[r] += len(outs)
+        done += 1
+        on_call(done, len(ref_calls))
+
+
+def _next_sync(graph: Graph, start: int) -> int:
+    for i in range(start, len(graph.nodes)):
+        op = graph.nodes[i].op
+        if op == "call" or OPS[op].kind == "collective":
+            return i
+    return len(graph.nodes)
+
+
+def _run_local(
+    rules: Rules, graph: Graph, terms: list[int], start: int, stop: int, bound: Bindings, opaque_calls: bool
+) -> None:
+    for node in graph.nodes[start:stop]:
+        if node.op == "call" and opaque_calls:
+            terms.append(rules.literal("call", tuple(terms[i] for i in node.inputs), node.attrs, node.shape, node.dtype))
+        else:
+            terms.append(term_of(rules, node, terms, graph.rank, bound))

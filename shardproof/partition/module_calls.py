@@ -1,0 +1,282 @@
+"""Trace each kind of repeated module call once: its copies become `call` nodes of the IR.
+
+During one make_fx trace, the forward of every module that has a structural twin in the model is
+wrapped. The first call of each kind (see `fingerprint.call_key`) is traced as usual, between two
+marker ops that name its inputs and outputs. A later call with the same key is not traced at all:
+it records one `shardproof.call` op whose outputs have the first call's metadata. After the trace,
+the ops between the markers become the kind's `Template` graph, and each `shardproof.call` lowers to
+IR `call` nodes of that template. A 126-layer model is thus traced as one layer plus 125 ops.
+
+Checks that keep this sound: a first call that changes its module's state, writes into its inputs,
+returns tensors sharing memory with its inputs or mutable non-tensor values is never reused; one whose
+ops read a traced value that is not among its inputs (a tensor held outside the module) makes the
+trace start over without reuse for that kind.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+
+from shardproof.capture.dispatch_trace import Traced
+from shardproof.capture.locations import locate
+from shardproof.ir import from_fx
+from shardproof.ir.graph import Graph
+from shardproof.partition.fingerprint import PLAIN_DATA, WRAPPED, call_key, module_key, tensor_key
+from shardproof.partition.templates import Template, argument_names
+
+Lower = Callable[[Traced | fx.GraphModule, list[str], list[str]], Graph]  # (graph, leaf names, reduce ops) -> IR
+
+_LIB = torch.library.Library("shardproof", "DEF")
+_LIB.define("region_enter(Tensor[] inputs, int region) -> ()")
+_LIB.define("region_exit(Tensor[] outputs, int region) -> ()")
+_LIB.define("call(Tensor[] inputs, int region, int site) -> Tensor[]")
+_OUTPUTS: dict[int, list[tuple]] = {}  # region id -> (shape, stride, dtype, device) per tensor output
+_TEMPLATES: dict[int, Template] = {}  # region id -> its template, while a graph with calls is lowered
+_SITES: dict[int, str] = {}  # call site id -> qualified name of the module called there
+_ids = itertools.count()
+_TENSOR = object()  # placeholder for tensor leaves among a call's recorded non-tensor outputs
+
+
+def _marker(tensors: list[torch.Tensor], region: int) -> None:
+    return None
+
+
+def _call(inputs: list[torch.Tensor], region: int, site: int, meta: bool = False) -> list[torch.Tensor]:
+    """Fresh tensors shaped like the first call's outputs (fake tensor mode runs the Meta kernel)."""
+    return [
+        torch.empty_strided(shape, stride, dtype=dtype, device="meta" if meta else device)
+        for shape, stride, dtype, device in _OUTPUTS[region]
+    ]
+
+
+for _key in ("CompositeExplicitAutograd", "Meta"):
+    _LIB.impl("region_enter", _marker, _key)
+    _LIB.impl("region_exit", _marker, _key)
+_LIB.impl("call", _call, "CompositeExplicitAutograd")
+_LIB.impl("call", lambda inputs, region, site: _call(inputs, region, site, meta=True), "Meta")
+
+
+class Impure(Exception):
+    """A first call's ops read a traced value that is not one of its inputs: trace again without reuse."""
+
+    def __init__(self, key: Hashable):
+        super().__init__("a repeated module reads a value from outside its inputs")
+        self.key = key
+
+
+@dataclass
+class Region:
+    """The first call of one kind, traced inline between markers."""
+
+    id: int
+    key: Hashable
+    module: str
+    spec: TreeSpec
+    leaves: list[Any]  # the output's pytree leaves, _TENSOR where a tensor goes
+    reduce_ops: list[str]  # ReduceOps of the in-place collectives it issued, in order
+    reusable: bool
+    copies: int = 0  # later calls answered from it
+
+
+@dataclass
+class CallMemo:
+    """Wraps the forwards of a model's repeated modules for one trace (use as a context manager)."""
+
+    root: nn.Module
+    reduce_ops: list[str]  # the trace's record of in-place collective ReduceOps (appended by capture)
+    gradients: bool  # the trace differentiates: calls reading grad-requiring tensors are not reused
+    excluded: set[Hashable] = field(default_factory=set)
+    regions: dict[Hashable, Region] = field(default_factory=dict)
+    sites: list[int] = field(default_factory=list)  # ids of the calls answered from a region
+    _wrapped: list[tuple[nn.Module, Any]] = field(default_factory=list)
+
+    def __enter__(self) -> CallMemo:
+        for name, module in repeated_modules(self.root):
+            self._wrapped.append((module, module.__dict__.get("forward")))
+            module.forward = self._wrap(name, module, module.forward)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for module, previous in self._wrapped:
+            if previous is None:
+                del module.forward
+            else:
+                module.forward = previous
+        self._wrapped.clear()
+
+    def _wrap(self, name: str, module: nn.Module, original: Callable) -> Callable:
+        # not named `forward`: make_fx keeps `forward` frames in stack traces, and a source
+        # location is the innermost kept frame outside torch: the user's, not this one
+        def reused_or_traced(*args: Any, **kwargs: Any) -> Any:
+            found = call_key(module, args, kwargs, self.gradients)
+            if found is None or found[0] in self.excluded:
+                return original(*args, **kwargs)
+            key, flat = found
+            region = self.regions.get(key)
+            if region is None:
+                return self._first(key, name, module, flat, original, args, kwargs)
+            if not region.reusable:
+                return original(*args, **kwargs)
+            region.copies += 1
+            site = next(_ids)
+            self.sites.append(site)
+            _SITES[site] = name
+            outputs = iter(torch.ops.shardproof.call(flat, region.id, site))
+            return tree_unflatten([next(outputs) if leaf is _TENSOR else leaf for leaf in region.leaves], region.spec)
+
+        setattr(reused_or_traced, WRAPPED, original)
+        return reused_or_traced
+
+    def _first(
+        self, key: Hashable, name: str, module: nn.Module, flat: list[torch.Tensor], original: Callable, args: tuple, kwargs: dict
+    ) -> Any:
+        region_id = next(_ids)
+        state_before = module_key(module)
+        versions = [t._version for t in flat]
+        issued = len(self.reduce_ops)
+        torch.ops.shardproof.region_enter(flat, region_id)
+        out = original(*args, **kwargs)
+        leaves, spec = tree_flatten(out)
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        torch.ops.shardproof.region_exit(tensors, region_id)
+        reusable = (
+            module_key(module) == state_before
+            and versions == [t._version for t in flat]
+            and all(tensor_key(t) is not None for t in tensors)
+            and not _shares_memory(tensors, flat)
+            and all(isinstance(leaf, (torch.Tensor, *PLAIN_DATA)) for leaf in leaves)
+        )
+        if reusable:
+            _OUTPUTS[region_id] = [(tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for t in tensors]
+        marked = [_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        self.regions[key] = Region(region_id, key, name, spec, marked, list(self.reduce_ops[issued:]), reusable)
+        return out
+
+    def lower(self, gm: Traced | fx.GraphModule, leaf_names: list[str], lower: Lower) -> Graph:
+        """IR of the traced graph: templates of the reused regions first, then the graph with calls."""
+        by_id = {r.id: r for r in self.regions.values() if r.copies}
+        try:
+            for region_id, (enter, body, outputs) in _regions(gm.graph, set(by_id)).items():
+                region, inputs = by_id[region_id], list(enter.args[0])
+                sub = _subgraph(gm, inputs, body, outputs, region.key)
+                graph = lower(sub, argument_names(len(inputs)), region.reduce_ops)
+                _TEMPLATES[region_id] = Template(region.module, graph, locate(enter))
+            return lower(gm, leaf_names, self.reduce_ops)
+        finally:
+            for region in self.regions.values():
+                _TEMPLATES.pop(region.id, None)
+                _OUTPUTS.pop(region.id, None)
+            for site in self.sites:
+                _SITES.pop(site, None)
+
+
+def trace_with_memo(
+    root: nn.Module | None,
+    reduce_ops: list[str],
+    trace: Callable[[], Traced | fx.GraphModule],
+    leaf_names: list[str],
+    lower: Lower,
+    gradients: bool,
+) -> Graph:
+    """Trace with repeated module calls of `root` reused (None: plain trace), then lower to IR.
+
+    `gradients`: the traced function differentiates (then calls that gradients flow through are
+    traced every time). A kind whose first call turns out to read outside values is excluded and
+    the trace redone."""
+    if root is None:
+        return lower(trace(), leaf_names, reduce_ops)
+    excluded: set[Hashable] = set()
+    recorded_before = len(reduce_ops)
+    while True:
+        del reduce_ops[recorded_before:]
+        with CallMemo(root, reduce_ops, gradients, excluded) as memo:
+            gm = trace()
+        try:
+            return memo.lower(gm, leaf_names, lower)
+        except Impure as impure:
+            excluded.add(impure.key)
+
+
+def repeated_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Submodules (not the root) with at least one structural twin: candidates for reuse."""
+    keyed = [(name, module, module_key(module)) for name, module in root.named_modules() if module is not root]
+    counts: dict[Hashable, int] = {}
+    for _, _, key in keyed:
+        if key is not None:
+            counts[key] = counts.get(key, 0) + 1
+    return [(name, module) for name, module, key in keyed if key is not None and counts[key] > 1]
+
+
+def _shares_memory(outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> bool:
+    storages = {t.untyped_storage()._cdata for t in inputs}
+    return any(t.untyped_storage()._cdata in storages for t in outputs)
+
+
+def _regions(graph: fx.Graph, wanted: set[int]) -> dict[int, tuple[fx.Node, list[fx.Node], list[fx.Node]]]:
+    """(enter marker, body, outputs) of each wanted region, ordered by where it ends (inner ones first)."""
+    enter: dict[int, fx.Node] = {}
+    bodies: dict[int, list[fx.Node]] = {}
+    found = {}
+    for node in graph.nodes:
+        if node.target is torch.ops.shardproof.region_exit.default and node.args[1] in enter:
+            region_id = node.args[1]
+            found[region_id] = (enter.pop(region_id), bodies.pop(region_id), list(node.args[0]))
+        for body in bodies.values():
+            body.append(node)
+        if node.target is torch.ops.shardproof.region_enter.default and node.args[1] in wanted:
+            enter[node.args[1]] = node
+            bodies[node.args[1]] = []
+    return found
+
+
+def _subgraph(gm: Traced | fx.GraphModule, inputs: list[fx.Node], body: list[fx.Node], outputs: list[fx.Node], key: Hashable) -> Traced:
+    """The region's ops as a graph of its own, inputs as placeholders; Impure if it reads anything else."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for i, node in enumerate(inputs):
+        placeholder = graph.placeholder(f"arg_{i}")
+        placeholder.meta = dict(node.meta)
+        env.setdefault(node, placeholder)
+    inside = set(body)
+
+    def mapped(node: fx.Node) -> fx.Node:
+        if node in env:
+            return env[node]
+        if node.op == "get_attr":
+            env[node] = graph.node_copy(node)
+            return env[node]
+        raise Impure(key)
+
+    for node in body:
+        for used in node.all_input_nodes:
+            if used not in inside and used not in env:
+                mapped(used)
+        env[node] = graph.node_copy(node, mapped)
+    graph.output([mapped(node) for node in outputs])
+    return Traced(graph, gm)
+
+
+def _lower_call(lo: from_fx.Lowerer, inputs: list, region: int, site: int) -> tuple[int, ...]:
+    template, module = _TEMPLATES[region], _SITES[site]
+    args = tuple(lo.tensor(x) for x in inputs)
+    body = template.graph
+    return tuple(
+        lo.emit("call", args, (template, index, module), body[out].shape, body[out].dtype)
+        for index, out in enumerate(body.outputs)
+    )
+
+
+def _no_value(lo: from_fx.Lowerer, *args: Any, **kwargs: Any) -> tuple:
+    return ()
+
+
+from_fx.register_lowering("shardproof.region_enter", _no_value)
+from_fx.register_lowering("shardproof.region_exit", _no_value)
+from_fx.register_lowering("shardproof.call", _lower_call)

@@ -1,0 +1,86 @@
+"""Interchangeability keys: equal exactly when two calls must record the same ops."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shardproof.partition.fingerprint import call_key, module_key, value_key
+
+
+@dataclass(frozen=True)
+class Config:
+    width: int
+    eps: float
+
+
+class Layer(nn.Module):
+    def __init__(self, config: Config, scale: float = 1.0) -> None:
+        super().__init__()
+        self.config = config
+        self.scale = scale
+        self.proj = nn.Linear(config.width, config.width, bias=False).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor, gain: float = 1.0) -> torch.Tensor:
+        return self.proj(x) * self.scale * gain
+
+
+def test_plain_data_is_compared_by_value_and_objects_by_identity() -> None:
+    assert value_key(Config(4, 1e-5)) == value_key(Config(4, 1e-5))
+    assert value_key(Config(4, 1e-5)) != value_key(Config(4, 1e-6))
+    assert value_key({"a": (1, [2.0])}) == value_key({"a": (1, [2.0])})
+    assert value_key(object()) != value_key(object())
+    assert value_key(1) != value_key(1.0) != value_key(True)
+
+
+def test_twin_layers_share_a_key_and_a_different_attribute_or_config_breaks_it() -> None:
+    twins = [Layer(Config(4, 1e-5)), Layer(Config(4, 1e-5))]
+    assert module_key(twins[0]) == module_key(twins[1])
+    assert module_key(Layer(Config(4, 1e-5), scale=2.0)) != module_key(twins[0])
+    assert module_key(Layer(Config(4, 1e-6))) != module_key(twins[0])
+    twins[1].train(False)
+    assert module_key(twins[0]) != module_key(twins[1])
+
+
+def test_modules_with_hooks_have_no_key() -> None:
+    layer = Layer(Config(4, 1e-5))
+    layer.proj.register_forward_hook(lambda module, args, out: out)
+    assert module_key(layer) is None
+    assert call_key(layer, (torch.randn(2, 4),), {}) is None
+
+
+def test_call_key_covers_shapes_non_tensor_arguments_and_aliasing() -> None:
+    layer = Layer(Config(4, 1e-5))
+    x, y = torch.randn(2, 4), torch.randn(2, 4)
+    key, flat = call_key(layer, (x,), {})
+    assert [t.shape for t in flat] == [(2, 4), (4, 4)], "arguments first, then the module's state"
+    assert call_key(layer, (y,), {})[0] == key, "other values, same metadata"
+    assert call_key(layer, (torch.randn(3, 4),), {})[0] != key
+    assert call_key(layer, (x.t().contiguous().t(),), {})[0] != key, "strides differ"
+    assert call_key(layer, (x,), {"gain": 2.0})[0] != key
+    assert call_key(layer, (x, 2.0), {})[0] != call_key(layer, (x,), {"gain": 2.0})[0]
+    with torch.no_grad():
+        assert call_key(layer, (x,), {})[0] != key, "grad mode is part of the key"
+
+
+def test_call_key_sees_which_tensors_are_the_same_object() -> None:
+    class Pair(nn.Module):
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return a + b
+
+    x, y = torch.randn(3), torch.randn(3)
+    assert call_key(Pair(), (x, x), {})[0] != call_key(Pair(), (x, y), {})[0]
+
+
+class Marked(torch.Tensor):
+    """A tensor subclass: its own dispatch could record anything."""
+
+
+def test_tensor_subclasses_and_grad_requiring_inputs_have_no_key() -> None:
+    layer = Layer(Config(4, 1e-5))
+    assert call_key(layer, (torch.randn(2, 4).as_subclass(Marked),), {}) is None
+    assert call_key(layer, (torch.randn(2, 4, requires_grad=True),), {}) is None
+    with torch.no_grad():
+        assert call_key(layer, (torch.randn(2, 4, requires_grad=True),), {}) is not None
