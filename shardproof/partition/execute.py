@@ -214,7 +214,10 @@ def run_ranks(
             return terms
         at_collective = [r for r in pending if graphs[r].nodes[cursors[r]].op != "call"]
         if at_collective:
-            resolve_collective(rules, graphs, terms, cursors, at_collective + [r for r in pending if r not in at_collective])
+            before = list(cursors)
+            resolve_collective(rules, graphs, terms, cursors, at_collective)
+            if cursors == before:  # never expected: a collective resolved always moves its group on
+                raise NotPartitioned("no collective could be resolved")
             continue
         if len(pending) != len(graphs) or done >= len(ref_calls):
             raise NotPartitioned("the ranks reach module calls at different points")

@@ -1,6 +1,6 @@
 """Progress of a run: phase messages, and counted steps (ranks traced, calls proven) for a display.
 
-`verify` takes any `progress(message)` callable; one that also has `count(what, done, total,
+`verify` takes any `progress(message)` callable; one that also has `show_count(what, done, total,
 reused)` (RichProgress) is told counted steps too, through `count` below.
 """
 
@@ -17,7 +17,7 @@ SHOW_AFTER = 2.0  # seconds: quicker runs print nothing
 
 def count(progress: Callable[[str], None], what: str, done: int, total: int, reused: int = 0) -> None:
     """Tell `progress` how far a counted step is, if it shows counts."""
-    show: Any = getattr(progress, "count", None)
+    show: Any = getattr(progress, "show_count", None)
     if show is not None:
         show(what, done, total, reused)
 
@@ -47,7 +47,7 @@ class RichProgress:
         self.bars.update(self.phase, description=message)
         self._show()
 
-    def count(self, what: str, done: int, total: int, reused: int = 0) -> None:
+    def show_count(self, what: str, done: int, total: int, reused: int = 0) -> None:
         if what not in self.tasks:
             self.tasks[what] = self.bars.add_task(what, total=total, reused="")
         hits = f"{reused} memo hits" if reused else ""

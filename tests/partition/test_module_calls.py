@@ -94,14 +94,15 @@ def _block_calls(captured: Captured) -> list:
 
 
 def _assert_computes_what_torch_does(make: Callable[[], nn.Module], captured: Captured) -> None:
+    """Terms are values over the reals (float64): evaluated on float64 leaves, against float64 torch."""
     torch.manual_seed(0)
-    model, x = make(), torch.randn(3, WIDTH)
-    state = {name: torch.randn_like(t) for name, t in module_state(model).items()}
+    model, x = make(), torch.randn(3, WIDTH, dtype=torch.float64)
+    state = {name: torch.randn_like(t, dtype=torch.float64) for name, t in module_state(model).items()}
     leaves = {f"state:{name}": t for name, t in state.items()} | {"input:0": x}
     graph = expand(captured.reference)
     run = execute(graph, [])
     value = evaluate(run.rules.u, run.reference[graph.outputs[0]], leaves)
-    torch.testing.assert_close(value, functional_call(make(), state, (x.clone(),)))
+    torch.testing.assert_close(value, functional_call(make().double(), state, (x.clone(),)))
 
 
 def test_repeated_layers_are_traced_once_and_expand_to_what_torch_computes() -> None:
