@@ -85,6 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--baseline-timeout", type=float, default=600.0, help="seconds for a run without memoization")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds for a run with memoization")
     parser.add_argument("--backend", default="none", help="where ranks are traced (default: in the child itself)")
+    parser.add_argument("--batch", type=int, help="override the preset's batch size (its shapes otherwise)")
     parser.add_argument("--markdown", action="store_true", help="emit markdown tables")
     return parser.parse_args(argv)
 
@@ -99,11 +100,13 @@ def main(argv: list[str] | None = None) -> None:
     measured = []
     for (ws, layers), sweeps in plan.items():
         sweep = "+".join(sweeps)
-        memo = run_configuration(ws, layers, PRESET, args.timeout, memo=True, backend=args.backend)
-        base = run_configuration(ws, layers, PRESET, args.baseline_timeout, memo=False, backend=args.backend)
+        options = {"backend": args.backend, "batch": args.batch}
+        memo = run_configuration(ws, layers, PRESET, args.timeout, memo=True, **options)
+        base = run_configuration(ws, layers, PRESET, args.baseline_timeout, memo=False, **options)
         measured.append(Measured(sweep, memo, base, args.baseline_timeout))
         print(f"{sweep} ws={ws} layers={layers}: {memo.verdict} {fmt(memo.total, '.1f')} s", file=sys.stderr, flush=True)
-    print(f"examples/llama_tp.py, preset {PRESET}, n_layers overridden; backend {args.backend}\n")
+    batch = f", batch {args.batch}" if args.batch else ""
+    print(f"examples/llama_tp.py, preset {PRESET}, n_layers overridden{batch}; backend {args.backend}\n")
     print(render(HEADERS, [m.cells() for m in measured], args.markdown) + "\n")
     lines = target_lines(measured)
     if lines:

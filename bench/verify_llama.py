@@ -57,7 +57,13 @@ def fmt(value: float | None, spec: str) -> str:
 
 
 def measure(
-    world_size: int, layers: int, preset: str | None, mode: str = "forward", memo: bool = True, backend: str = "none"
+    world_size: int,
+    layers: int,
+    preset: str | None,
+    mode: str = "forward",
+    memo: bool = True,
+    backend: str = "none",
+    batch: int | None = None,
 ) -> dict[str, Any]:
     """Verify one configuration in this process; return the Row fields."""
     from shardproof.api import verify
@@ -66,7 +72,8 @@ def measure(
     case = load_case(CASES[mode])
     if preset is not None:
         case.use_preset(preset)
-    case.module.CONFIG = dataclasses.replace(case.module.CONFIG, n_layers=layers)
+    config = case.module.CONFIG
+    case.module.CONFIG = dataclasses.replace(config, n_layers=layers, batch=batch or config.batch)
     report = verify(case, world_size=world_size, train=mode == "train", memo=memo, backend=backend)
     return {
         "verdict": report.verdict,
@@ -95,9 +102,10 @@ def run_configuration(
     mode: str = "forward",
     memo: bool = True,
     backend: str = "none",
+    batch: int | None = None,
 ) -> Row:
     """Measure one configuration in a fresh spawned process; failures become the row's verdict."""
-    status, payload = run_in_child(measure, (world_size, layers, preset, mode, memo, backend), timeout)
+    status, payload = run_in_child(measure, (world_size, layers, preset, mode, memo, backend, batch), timeout)
     if status == "ok":
         return Row(world_size, layers, **payload)
     return Row(world_size, layers, status, note=payload)
