@@ -82,3 +82,16 @@ def test_llama3_8b_shapes_trace(name: str, monkeypatch: pytest.MonkeyPatch) -> N
     module = sys.modules[case.reference.__module__]
     monkeypatch.setattr(module, "CONFIG", dataclasses.replace(module.PRESETS["llama3-8b"], n_layers=2))
     _check(case, 8, [0])
+
+
+@pytest.mark.parametrize("name", LLAMA_CASES)
+def test_batch_of_one_is_proven(name: str) -> None:
+    """The real presets run one sequence: a size-1 batch dim must not split the proof's normal forms."""
+    from shardproof import verify
+    from shardproof.oracle import run_numeric
+
+    case = load_case(EXAMPLES / name)
+    case.module.CONFIG = dataclasses.replace(case.module.CONFIG, batch=1, n_layers=1)
+    report = verify(case, world_size=2)
+    assert report.verdict == "equivalent", report.diagnosis
+    assert run_numeric(case, 2).agree

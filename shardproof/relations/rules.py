@@ -404,12 +404,14 @@ class Rules:
         return self.literal("view", (x,), (), shape, term.dtype)
 
     def _view_cat(self, x: int, shape: tuple[int, ...]) -> int | None:
-        """A reshape that leaves the cat dim alone (its own group) reshapes each part the same way."""
+        """A reshape that merges or splits other dims and leaves the cat dim alone (its own group)
+        reshapes each part the same way. Reshapes that only add or drop size-1 dims stay outside:
+        broadcasts carry those."""
         term = self.u[x]
         dim = term.attrs[0]
-        groups = reshape_groups(term.shape, shape)
-        alone = [dst for src, dst in (groups or []) if src == [dim] and len(dst) == 1]
-        if not alone:
+        groups = reshape_groups(term.shape, shape) or []
+        alone = [dst for src, dst in groups if src == [dim] and len(dst) == 1]
+        if not alone or all(len(src) <= 1 and len(dst) <= 1 for src, dst in groups):
             return None
         out_dim = alone[0][0]
         parts = []
