@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import replace
@@ -74,7 +75,7 @@ def verify(
     proof = prove(captured, progress)
     if proof.finding is not None and proof.verdict == "discrepancy":
         progress("confirming the discrepancy on random weights")
-        numbers = lambda: run_numeric(case, n, mode=mode)  # noqa: E731
+        numbers = functools.partial(run_numeric, case, n, mode=mode)
         proof.finding = confirmed(numbers, proof.finding, _state_elements(captured.reference))
     return proof_report(proof, captured, n, time.perf_counter() - start)
 

@@ -15,7 +15,6 @@ import linecache
 import operator
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from types import FrameType
 from typing import Any, Callable
 
@@ -25,9 +24,9 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from shardproof.capture.locations import NOT_USER_CODE
 from shardproof.errors import ShardproofError
 
-_SKIPPED_DIRS = (str(Path(torch.__file__).parent), str(Path(__file__).parents[1]))  # torch, shardproof
 
 
 @dataclass
@@ -111,7 +110,7 @@ class _Recorder(TorchDispatchMode):
         frame = sys._getframe(2)
         while frame is not None and frame is not self.entry:
             file = frame.f_code.co_filename
-            if not file.startswith(_SKIPPED_DIRS):
+            if not file.startswith(NOT_USER_CODE):
                 code = linecache.getline(file, frame.f_lineno).strip()
                 return f'  File "{file}", line {frame.f_lineno}, in {frame.f_code.co_name}\n    {code}\n'
             frame = frame.f_back

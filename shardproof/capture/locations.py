@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import re
 import sys
+import traceback
 from pathlib import Path
 from types import CodeType, SimpleNamespace
 from typing import Any, Callable, Iterator
@@ -24,7 +25,7 @@ from shardproof.case import unwrapped
 from shardproof.ir.graph import Location
 
 _TORCH_DIR = str(Path(torch.__file__).parent)
-_OWN_DIR = str(Path(__file__).parents[1])
+NOT_USER_CODE = (_TORCH_DIR, str(Path(__file__).parents[1]))  # torch's files and shardproof's own
 _FORWARD_SEQ = "shardproof_seq_nr"  # meta key: the autograd sequence number a forward op was given
 _GRAD_OF = "shardproof_grad_of"  # meta key: the sequence number of the forward op a backward formula differentiates
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\n\s*(?P<code>[^\n]*)')
@@ -83,7 +84,7 @@ def _user_code_below_engine() -> bool:
         name = frame.f_code.co_filename
         if frame.f_code.co_name == "_engine_run_backward" and name.startswith(_TORCH_DIR):
             return False
-        if not name.startswith(_TORCH_DIR) and not name.startswith(_OWN_DIR):
+        if not name.startswith(NOT_USER_CODE):
             return True
         frame = frame.f_back
     return False
@@ -106,12 +107,21 @@ def locator(gm: fx.GraphModule) -> Callable[[fx.Node], Location | None]:
     return locate_in_graph
 
 
+def user_frame(err: Exception) -> str:
+    """The last frame of an exception's traceback in user code: where it was when it failed."""
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if not f.filename.startswith(NOT_USER_CODE)]
+    if not frames:
+        return ""
+    last = frames[-1]
+    return f"\n  at {last.filename}:{last.lineno}  {(last.line or '').strip()}"
+
+
 def locate(node: fx.Node) -> Location | None:
     """The innermost frame outside torch itself: the user's line that produced this op."""
     trace = node.meta.get("stack_trace")
     if not trace:
         return None
-    frames = [m for m in _FRAME.finditer(trace) if not m["file"].startswith((_TORCH_DIR, _OWN_DIR))]
+    frames = [m for m in _FRAME.finditer(trace) if not m["file"].startswith(NOT_USER_CODE)]
     if not frames:
         return None
     last = frames[-1]

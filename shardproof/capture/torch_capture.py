@@ -11,9 +11,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import time
-import traceback
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
@@ -25,7 +23,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from shardproof.capture.dispatch_trace import NotPlain, Traced, chain, record
-from shardproof.capture.locations import anchor_user_code, autograd_origins, locator
+from shardproof.capture.locations import anchor_user_code, autograd_origins, locator, user_frame
 from shardproof.capture.meshes import RealDeviceMeshes, distinct_meshes
 from shardproof.case import Case
 from shardproof.errors import CaptureError, CaseError, ShardproofError
@@ -193,7 +191,7 @@ def _trace(
     loaded, arguments = None, leaves
     if loader is not None:
         try:
-            loaded, arguments = _failing_as_capture_error(what, lambda: record(loader, leaves))
+            loaded, arguments = _failing_as_capture_error(f"tracing {what}", lambda: record(loader, leaves))
         except NotPlain:  # a loader handling DTensors: traced with make_fx, as part of `fn`
             fn = _after(loader, fn)
 
@@ -212,7 +210,7 @@ def _trace_fx(what: str, fn: Callable, leaves: list) -> fx.GraphModule:
         with autograd_origins():
             return make_fx(fn, decomposition_table=_DECOMPOSED, tracing_mode="real", record_stack_traces=True)(*leaves)
 
-    return _failing_as_capture_error(what, run)
+    return _failing_as_capture_error(f"tracing {what}", run)
 
 
 def _after(first: Callable, then: Callable) -> Callable:
@@ -220,12 +218,13 @@ def _after(first: Callable, then: Callable) -> Callable:
 
 
 def _failing_as_capture_error(what: str, run: Callable[[], Any]) -> Any:
+    """`run()`; any failure but ours becomes a CaptureError "<what> failed", with the user's frame."""
     try:
         return run()
     except (ShardproofError, NotPlain):
         raise
-    except Exception as err:  # noqa: BLE001 - any tracing failure is reported with the user's frame
-        raise CaptureError(f"tracing {what} failed: {type(err).__name__}: {_first_line(err)}{_user_frame(err)}") from err
+    except Exception as err:  # noqa: BLE001 - any failure in user code is reported with the user's frame
+        raise CaptureError(f"{what} failed: {type(err).__name__}: {_first_line(err)}{user_frame(err)}") from err
 
 
 def _placeholder(reference: Graph, output_index: int) -> torch.Tensor:
@@ -235,13 +234,11 @@ def _placeholder(reference: Graph, output_index: int) -> torch.Tensor:
 
 
 def _build(what: str, fn: Callable[[], Any]) -> Any:
-    try:
+    def build() -> Any:
         with RealDeviceMeshes():
             return fn()
-    except ShardproofError:
-        raise
-    except Exception as err:  # noqa: BLE001
-        raise CaptureError(f"{what} failed: {type(err).__name__}: {_first_line(err)}{_user_frame(err)}") from err
+
+    return _failing_as_capture_error(what, build)
 
 
 @contextlib.contextmanager
@@ -310,14 +307,3 @@ def _group_ranks(group: Any) -> tuple[int, ...]:
 def _first_line(err: Exception) -> str:
     text = str(err).strip().splitlines()
     return text[0] if text else ""
-
-
-def _user_frame(err: Exception) -> str:
-    """The last frame of the traceback outside torch: where the user's code was when it failed."""
-    torch_dir = str(Path(torch.__file__).parent)
-    frames = [f for f in traceback.extract_tb(err.__traceback__) if not f.filename.startswith(torch_dir)]
-    frames = [f for f in frames if "/shardproof/" not in f.filename]
-    if not frames:
-        return ""
-    last = frames[-1]
-    return f"\n  at {last.filename}:{last.lineno}  {(last.line or '').strip()}"

@@ -313,14 +313,17 @@ def slice_value(lo: Lowerer, value: int, dim: int, start: int, end: int) -> int:
 
 def _slice(lo: Lowerer, x, dim: int = 0, start=None, end=None, step: int = 1) -> int:
     value = lo.tensor(x)
-    rank = len(lo.shape(value))
-    dim = _dim(dim, rank)
-    size = lo.shape(value)[dim]
+    dim = _dim(dim, len(lo.shape(value)))
+    return slice_value(lo, value, dim, *_slice_range(lo, "slice", lo.shape(value)[dim], start, end, step))
+
+
+def _slice_range(lo: Lowerer, op: str, size: int, start: int | None, end: int | None, step: int) -> tuple[int, int]:
+    """aten's [start, end) on a dim of `size` (None for the ends, negative from the back), clamped."""
     if step != 1:
-        raise UnsupportedOp("slice with step != 1", _at(lo.locate(lo.current)))
+        raise UnsupportedOp(f"{op} with step != 1", _at(lo.locate(lo.current)))
     start = 0 if start is None else (start + size if start < 0 else start)
     end = size if end is None else (end + size if end < 0 else end)
-    return slice_value(lo, value, dim, start, end)
+    return max(0, min(start, size)), max(0, min(end, size))
 
 
 def _narrow(lo: Lowerer, x, dim: int, start: int, length: int) -> int:
@@ -360,10 +363,7 @@ def _written_over(lo: Lowerer, base: int, src: int, dim: int, start: int | None,
     """`base` with `src` written over [start, end) of `dim`: the untouched parts of base around src."""
     shape = lo.shape(base)
     dim = _dim(dim, len(shape))
-    if step != 1:
-        raise UnsupportedOp("slice_scatter with step != 1", _at(lo.locate(lo.current)))
-    start = 0 if start is None else (start + shape[dim] if start < 0 else start)
-    end = shape[dim] if end is None else min(end + shape[dim] if end < 0 else end, shape[dim])
+    start, end = _slice_range(lo, "slice_scatter", shape[dim], start, end, step)
     before = [slice_value(lo, base, dim, 0, start)] if start > 0 else []  # no empty slices: nothing reads them
     after = [slice_value(lo, base, dim, end, shape[dim])] if end < shape[dim] else []
     parts = [*before, src, *after]

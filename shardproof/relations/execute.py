@@ -13,6 +13,7 @@ from fractions import Fraction
 
 from shardproof.ir.graph import BOUND_LEAF_PREFIX, Graph, Node
 from shardproof.ir.ops import OPS
+from shardproof.relations.layout import box_along
 from shardproof.relations.rules import Rules
 
 
@@ -152,6 +153,4 @@ def _collective(rules: Rules, node: Node, inputs: list[int], position: int) -> i
         return total
     dim = node.attrs[0]
     size = node.shape[dim]
-    shape = rules.shape(total)
-    box = tuple((position * size, (position + 1) * size) if d == dim else (0, s) for d, s in enumerate(shape))
-    return rules.slice(total, box)
+    return rules.slice(total, box_along(rules.shape(total), dim, position * size, (position + 1) * size))

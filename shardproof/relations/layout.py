@@ -15,6 +15,11 @@ def full_box(shape: tuple[int, ...]) -> Box:
     return tuple((0, s) for s in shape)
 
 
+def box_along(shape: tuple[int, ...], dim: int, lo: int, hi: int) -> Box:
+    """The box of `shape` that keeps [lo, hi) of `dim` and every other dim whole."""
+    return tuple((lo, hi) if d == dim else (0, s) for d, s in enumerate(shape))
+
+
 def box_shape(box: Box) -> tuple[int, ...]:
     return tuple(hi - lo for lo, hi in box)
 

@@ -21,8 +21,8 @@ from typing import Any, Callable
 import torch
 
 from shardproof.ir.ops import OPS, run_op
-from shardproof.relations.assume import interval, rebuild
-from shardproof.relations.layout import Box, box_shape, compose, full_box, reshape_groups, view_of_box
+from shardproof.relations.assume import rebuild
+from shardproof.relations.layout import Box, box_along, box_shape, compose, full_box, reshape_groups, view_of_box
 from shardproof.relations.universe import Universe
 
 FLOAT_DTYPES = {"float16", "bfloat16", "float32", "float64"}
@@ -220,8 +220,8 @@ class Rules:
         part (the zeros a slice's gradient is padded with) fits any box."""
         term = self.u[t]
         dim = term.attrs[0]
-        regions = [self.as_region(p) for p in term.args if self.u[p].op != "full"] or [self.as_region(term.args[0])]
-        first_root, first_box = regions[0]
+        template = next((p for p in term.args if self.u[p].op != "full"), term.args[0])
+        first_root, first_box = self.as_region(template)
         box = tuple((0, term.shape[dim]) if d == dim else r for d, r in enumerate(first_box))
         global_shape = tuple(term.shape[dim] if d == dim else s for d, s in enumerate(self.shape(first_root)))
         if len(global_shape) != len(term.shape):
@@ -375,8 +375,13 @@ class Rules:
             moved = self._view_bcast(x, shape)
             if moved is not None:
                 return moved
-        root, region = (term.args[0], term.attrs[0]) if term.op == "slice" else self._cat_region(x) if term.op == "cat" else (x, None)
-        if root != x:  # a region of a larger tensor (a cat may be one: a head range padded with zeros)
+        if term.op == "slice":
+            root, region = term.args[0], term.attrs[0]
+        elif term.op == "cat":  # a cat may be a region too: a head range padded with zeros
+            root, region = self._cat_region(x)
+        else:
+            root, region = x, None
+        if root != x:
             found = self._view_region(root, region, shape)
             if found is None and term.op == "slice":
                 found = self._view_inner_slice(root, region, shape)
@@ -679,7 +684,7 @@ class Rules:
         cuts = sorted({0, shape[dim]} | {end for t, _ in items if self.u[t].op == "cat" for _, end in _cat_bounds(self, t)})
         parts = []
         for lo, hi in zip(cuts, cuts[1:]):
-            box = tuple((lo, hi) if d == dim else (0, s) for d, s in enumerate(shape))
+            box = box_along(shape, dim, lo, hi)
             parts.append(self.lin([(self.slice(t, box), c) for t, c in items]))
         return self.cat(parts, dim)
 
@@ -817,7 +822,7 @@ def _elementwise(r: Rules, op: str, args: tuple[int, ...], attrs: tuple, shape: 
             dim, bounds = term.attrs[0], _cat_bounds(r, a)
             parts = []
             for lo, hi in bounds:
-                box = tuple((lo, hi) if d == dim else (0, s) for d, s in enumerate(shape))
+                box = box_along(shape, dim, lo, hi)
                 sub = tuple(r.slice(b, box) for b in args)
                 parts.append(r.build(op, sub, attrs, box_shape(box), dtype))
             return r.cat(parts, dim)
@@ -981,7 +986,7 @@ def _layout(r: Rules, op: str, args, attrs, shape, dtype) -> int:
         return r.permute(x, tuple(attrs[0]))
     if op == "slice":
         dim, lo, hi = attrs
-        return r.slice(x, tuple((lo, hi) if d == dim else (0, s) for d, s in enumerate(r.shape(x))))
+        return r.slice(x, box_along(r.shape(x), dim, lo, hi))
     if op == "cat":
         return r.cat(list(args), attrs[0])
     if op == "expand":
@@ -1161,18 +1166,14 @@ def _split_contraction(r: Rules, a: int, b: int, attrs, shape, dtype) -> int | N
     b_cat = tb.op == "cat" and tb.attrs[0] == b_dim
     if not (a_cat or b_cat):
         return None
-    cuts = sorted(set(_cat_cuts(r, a, a_cat, a_dim)) | set(_cat_cuts(r, b, b_cat, b_dim)))
+    cats = [t for t, is_cat in ((a, a_cat), (b, b_cat)) if is_cat]
+    cuts = sorted({0, r.shape(a)[a_dim]} | {end for t in cats for _, end in _cat_bounds(r, t)})
     terms = []
     for lo, hi in zip(cuts, cuts[1:]):
-        part_a = r.slice(a, tuple((lo, hi) if d == a_dim else (0, s) for d, s in enumerate(r.shape(a))))
-        part_b = r.slice(b, tuple((lo, hi) if d == b_dim else (0, s) for d, s in enumerate(r.shape(b))))
+        part_a = r.slice(a, box_along(r.shape(a), a_dim, lo, hi))
+        part_b = r.slice(b, box_along(r.shape(b), b_dim, lo, hi))
         terms.append((r.build("matmul", (part_a, part_b), attrs, shape, dtype), Fraction(1)))
     return r.lin(terms)
-
-
-def _cat_cuts(r: Rules, t: int, is_cat: bool, dim: int) -> list[int]:
-    sizes = [r.shape(p)[dim] for p in r.u[t].args] if is_cat else [r.shape(t)[dim]]
-    return [0, *itertools.accumulate(sizes)]
 
 
 def _matmul_slices(r: Rules, a: int, b: int, attrs, shape, dtype) -> int:
