@@ -2,12 +2,14 @@
 
 An op that autograd's C++ engine emits for a backward formula has no user frame of its own; it is
 located at the forward op it differentiates (matched by autograd sequence number) and marked as a
-backward op. Backward code the user wrote (custom autograd Functions, gradient hooks) keeps its
+backward op. A tensor subclass (DTensor) may create further autograd nodes while it runs the op,
+before the first traced op, so the forward op of node n is the first one traced with number >= n. Backward code the user wrote (custom autograd Functions, gradient hooks) keeps its
 own line.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import re
 import sys
@@ -96,9 +98,16 @@ def locator(gm: fx.GraphModule) -> Callable[[fx.Node], Location | None]:
     for node in gm.graph.nodes:
         if _FORWARD_SEQ in node.meta:
             forward.setdefault(node.meta[_FORWARD_SEQ], node)
+    numbers = sorted(forward)
+
+    def origin_of(node: fx.Node) -> fx.Node | None:
+        if _GRAD_OF not in node.meta:
+            return None
+        at = bisect.bisect_left(numbers, node.meta[_GRAD_OF])
+        return forward[numbers[at]] if at < len(numbers) else None
 
     def locate_in_graph(node: fx.Node) -> Location | None:
-        origin = forward.get(node.meta[_GRAD_OF]) if _GRAD_OF in node.meta else None
+        origin = origin_of(node)
         if origin is None:
             return locate(node)
         found = locate(origin)
