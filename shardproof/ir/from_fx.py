@@ -672,9 +672,12 @@ def _scatter(op: str) -> Callable[..., int]:
 def _index(lo: Lowerer, x, indices) -> int:
     """`x[arange(n), idx]`, entry idx[i] of row i: a gather along dim 1 (cross entropy's label
     lookup). When x and idx are flattenings of the same leading dims, the gather is taken on the
-    unflattened tensors, where a reference's `gather(logits, -1, labels[..., None])` looks."""
+    unflattened tensors, where a reference's `gather(logits, -1, labels[..., None])` looks.
+    `x[arange(n)]` (`x[arange(n), :]`, as Megatron's backward reads every row) is x."""
     value = lo.tensor(x)
     shape = lo.shape(value)
+    if _every_row(lo, indices, shape):
+        return value
     where = _at(lo.locate(lo.current))
     unsupported = UnsupportedOp("aten.index other than x[arange(n), idx] (a row-wise gather)", where)
     if len(indices) != 2 or len(shape) < 2 or not all(isinstance(i, fx.Node) for i in indices):
@@ -695,6 +698,11 @@ def _index(lo: Lowerer, x, indices) -> int:
 
 def _is_arange(lo: Lowerer, value: int, n: int) -> bool:
     return lo.graph[value].op == "const" and lo.graph[value].attrs[0] == ("arange", 0, n, 1)
+
+
+def _every_row(lo: Lowerer, indices: list, shape: tuple[int, ...]) -> bool:
+    """The indices are one `arange(n)` over all n rows: every row, in order."""
+    return len(indices) == 1 and isinstance(indices[0], fx.Node) and bool(shape) and _is_arange(lo, lo.tensor(indices[0]), shape[0])
 
 
 def _unflattened(lo: Lowerer, x: int, idx: int) -> tuple[int, int]:
@@ -725,13 +733,16 @@ def _index_put(lo: Lowerer, x, indices, values, accumulate: bool = False) -> int
     target = lo.tensor(x)
     if len(indices) == 2 and all(isinstance(i, fx.Node) for i in indices):
         return _row_wise_put(lo, target, *(lo.tensor(i) for i in indices), values, accumulate)
+    shape = lo.shape(target)
+    if _every_row(lo, indices, shape):  # x[arange(n)] = v writes every row
+        value = broadcast_to(lo, lo.tensor(values), shape)
+        return lo.emit("add", (target, value), (), shape, lo.dtype(target)) if accumulate else value
     masks = [i for i in indices if i is not None]
     if accumulate or len(masks) != 1 or len(indices) != 1:
         raise UnsupportedOp("index_put other than x[bool_mask] = value or x[arange(n), idx] = v", _at(lo.locate(lo.current)))
     mask = lo.tensor(masks[0])
     if lo.dtype(mask) != "bool":
         raise UnsupportedOp("index_put with integer indices", _at(lo.locate(lo.current)))
-    shape = lo.shape(target)
     mask_shape = lo.shape(mask)
     padded = mask_shape + (1,) * (len(shape) - len(mask_shape))
     if padded != mask_shape:

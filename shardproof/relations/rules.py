@@ -79,7 +79,7 @@ class Rules:
             spec = ("full", spec[1][0])
         if spec[0] != "full":
             return self.literal("const", (), spec, shape, dtype)
-        value = float(spec[1]) if dtype in FLOAT_DTYPES and not isinstance(spec[1], bool) else spec[1]
+        value = intended(float(spec[1])) if dtype in FLOAT_DTYPES and not isinstance(spec[1], bool) else spec[1]
         return self.literal("full", (), (value,), shape, dtype)
 
     def full_value(self, t: int) -> Any | None:
@@ -765,6 +765,24 @@ class Rules:
         return self.lin([(x, Fraction(factor))])
 
 
+SIMPLE_DENOMINATOR = 10**6
+ROUNDING_ULPS = 8  # how far Python's arithmetic on a few constants may have rounded them
+
+
+def intended(value: float) -> float | Fraction:
+    """The real number a float constant stands for: a fraction with a small denominator within a
+    few units of rounding of it, if there is one. Python rounds `0.1 * V / (V - 1)` and `1.0 - s`
+    step by step, so over the reals the coefficients of a label-smoothed loss no longer add up to 1,
+    while the program meant 8/75 and 67/75. A float exact with a small denominator stays as it is."""
+    if not math.isfinite(value):
+        return value
+    exact = Fraction(value)
+    if exact.denominator <= SIMPLE_DENOMINATOR:
+        return value
+    simple = exact.limit_denominator(SIMPLE_DENOMINATOR)
+    return simple if abs(simple - exact) <= ROUNDING_ULPS * Fraction(math.ulp(value)) else value
+
+
 def _inserted_ones(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[int, ...] | None:
     """Where src's dims sit in dst if dst is src with size-1 dims inserted (first fit)."""
     dims, j = [], 0
@@ -1011,6 +1029,12 @@ def _reduce(r: Rules, op: str, args, attrs, shape, dtype) -> int:
         inner_shape = tuple(s for d, s in enumerate(r.shape(x)) if d not in dims)
         return r.view(r.build(op, (x,), (dims, False), inner_shape, dtype), shape)
     term = r.u[x]
+    filled = r.full_value(x)
+    if op in _SPLIT_REDUCTIONS and _is_finite_number(filled) and dtype in FLOAT_DTYPES:
+        # a constant's sum is the value times the count (the sum of the smoothing term of a label-
+        # smoothed loss's gradient over the vocab), its max the value
+        constant = r.literal("full", (), (filled,), shape, dtype)
+        return r.scale(constant, math.prod(term.shape[d] for d in dims)) if op == "sum" else constant
     if op == "sum" and _is_one_hot(r, x) and term.attrs[0] in dims:
         return r.build("sum", (term.args[2],), attrs, shape, dtype)  # one entry per row: the written values
     if op in ("sum", "amax") and term.op == "view":

@@ -264,7 +264,8 @@ def _assert_ir_computes_what_torch_computes(model: Callable[[], nn.Module], capt
 class OneHotWrites(nn.Module):
     """The writes cross entropy's backward is spelled with: gather's backward (scatter_add), a
     scatter of a value, Megatron's `grad_2d[arange, target] -= update` through a view of the
-    gradient, an accumulating row-wise put, and a clamped index."""
+    gradient, its label smoothing's `grad_2d[arange, :] -= constant` (every row), an accumulating
+    row-wise put and one of every row, and a clamped index."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -280,6 +281,8 @@ class OneHotWrites(nn.Module):
         rows = torch.arange(grad_2d.size(0))
         grad_2d[rows, target.view(-1)] -= (target.view(-1) > VOCAB // 2).float()
         grad_2d.index_put_((rows, target.view(-1)), torch.ones(grad_2d.size(0)), accumulate=True)
+        grad_2d[rows, :] -= 0.25
+        grad_2d.index_put_((rows,), logits.view(-1, VOCAB).exp(), accumulate=True)
         return spread + marked + grad
 
 
