@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from fractions import Fraction
+from typing import Any
 
 from shardproof.ir.graph import Graph, Node
 from shardproof.ir.ops import OPS
@@ -22,6 +23,7 @@ from shardproof.relations.rules import Rules
 PIECES = {"piece", "max_piece"}  # one rank's part of a sum (or max) over ranks
 STRUCTURAL = {"slice", "cat", "bcast", "repeat", "lin", "full", "const", *PIECES}
 LAYOUT_OPS = {"view", "permute", "slice", "expand", "convert", "cat"}
+LAYOUT_TERMS = {"view", "permute", "slice", "bcast", "repeat"}  # normal-form terms that only move elements
 
 
 def grounded(rules: Rules, t: int, memo: dict[int, bool]) -> bool:
@@ -332,6 +334,10 @@ class Diagnoser:
             return Finding("discrepancy", "wrong layout", f"wrong layout: {what}", [(rank, culprit), (rank, node)], [match])
         position = wrong[0]
         d_in, r_in = pairs[position]
+        misweighted = self._misweighted_term(rank, node, terms[d_in], ref_terms[r_in])
+        if misweighted is not None:
+            misweighted.reference.insert(0, match)
+            return misweighted
         culprit = self._walk_back(rank, self.ranks[rank][d_in], self.reference[r_in])
         if node.op in LAYOUT_OPS and self._blocks_in_own_chunks(rank, terms[d_in]):
             culprit = node  # the right data, read with the wrong layout
@@ -346,6 +352,34 @@ class Diagnoser:
             f"{self.r.u.render(terms[d_in], 3)} but the reference uses {self.r.u.render(ref_terms[r_in], 3)}",
             [(rank, culprit), (rank, node)],
             [match, self.reference[r_in]],
+        )
+
+    def _misweighted_term(self, rank: int, node: Node, operand: int, ref_operand: int) -> Finding | None:
+        """A sum (of this rank's region) with the reference's terms where one term has another
+        coefficient and the rest agree: a wrong scale of that term. It was set where the rank first
+        weighs it against an agreeing term in the wrong ratio (a smoothing term's 1 / vocab size)."""
+        have, want = _weights(self.r, self.r.as_region(operand)[0]), _weights(self.r, ref_operand)
+        if len(have) < 2 or have.keys() != want.keys():
+            return None
+        wrong = [k for k in have if have[k] != want[k]]
+        right = [k for k in have if have[k] == want[k]]
+        if not wrong or not right:
+            return None
+        bad, good = wrong[0], right[0]
+        ratio = want[bad] / want[good]
+
+        def misweighs(t: int) -> bool:
+            weights = _weights(self.r, t)
+            return bad in weights and good in weights and weights[bad] / weights[good] != ratio
+
+        culprit = self._introducing(rank, node, misweighs)
+        term = "constant term" if isinstance(bad, tuple) else f"term {self.r.u.render(bad, 2)}"
+        return Finding(
+            "discrepancy",
+            "wrong scale",
+            f"wrong scale: on rank {rank} the {term} of a sum reaching `{node.op}` has coefficient "
+            f"{have[bad]} where the reference has {want[bad]}, while the other terms agree",
+            [(rank, culprit), (rank, node)],
         )
 
     def _misaligned(self, rank: int, pairs: list[tuple[int, int]]) -> list[int]:
@@ -675,6 +709,21 @@ class Diagnoser:
             [(rank, node)],
             op=node.op,
         )
+
+
+def _weights(r: Rules, t: int) -> dict[Any, Fraction]:
+    """A sum's coefficient per term, terms taken through layout ops (a slice, view or transpose of
+    a term is that term; a constant counts by its value), or {} if `t` is no sum."""
+    term = r.u[t]
+    if term.op != "lin":
+        return {}
+    weights: dict[Any, Fraction] = {}
+    for a, c in zip(term.args, term.attrs[0]):
+        while r.u[a].op in LAYOUT_TERMS:
+            a = r.u[a].args[0]
+        key = ("full", *r.u[a].attrs) if r.u[a].op == "full" else a
+        weights[key] = weights.get(key, Fraction(0)) + c
+    return weights
 
 
 def _is_rank_chunk(rank: int, part: tuple[int, int], whole: tuple[int, int]) -> bool:
