@@ -21,30 +21,14 @@ KIND_WORDS = {
     "layout": "wrong layout",
     "wrong-group": "wrong group",
     "double-reduction": "double reduction",
+    "missing-backward": "missing backward step",
 }
-
-
-# Capabilities not there yet, each a strict xfail so the list shrinks as they land.
-KNOWN_GAPS: dict[str, str] = {
-    "log-softmax-bwd-identity_buggy": (
-        "found and confirmed numerically but not localized: under loss_parallel the rank's log_softmax backward "
-        "computes nothing (its nll_loss backward folds the log-softmax backward in), and the diagnosis has no "
-        "notion of a missing backward step, so it reports a wrong layout at the backward() call"
-    ),
-}
-
-
-def _known_gap(path: Path) -> list:
-    reason = KNOWN_GAPS.get(path.stem)
-    if reason is None:
-        return []
-    return [pytest.mark.xfail(strict=True, reason=reason)]
 
 
 def _params(paths: list[Path], world_sizes: list[int] | None = None) -> list:
     if world_sizes is None:
-        return [pytest.param(p, marks=_known_gap(p), id=p.stem) for p in paths]
-    return [pytest.param(p, n, marks=_known_gap(p), id=f"{p.stem}-{n}") for p in paths for n in world_sizes]
+        return [pytest.param(p, id=p.stem) for p in paths]
+    return [pytest.param(p, n, id=f"{p.stem}-{n}") for p in paths for n in world_sizes]
 
 
 def _marker(path: Path, tag: str) -> tuple[int, str] | None:

@@ -52,6 +52,7 @@ class Lowerer:
         self._order = {node: i for i, node in enumerate(gm.graph.nodes)}
         self._sharing = _nodes_by_storage(gm.graph)
         self._live = _live_nodes(gm.graph)
+        self._silent: dict[tuple[str, int], tuple[Location, int]] = {}  # backward lines whose ops emitted nothing
 
     # --- emitting -------------------------------------------------------------------------
     def emit(self, op: str, inputs: tuple[int, ...], attrs: tuple = (), shape=None, dtype=None) -> int:
@@ -108,6 +109,7 @@ class Lowerer:
                 self.env[node] = self.get_attr(node)
             elif node.op == "output":
                 self.graph.outputs = [self.tensor(a) for a in _flatten(node.args[0])]
+        self.mark_silent_steps()
         return self.graph
 
     def get_attr(self, node: fx.Node) -> Value:
@@ -144,12 +146,28 @@ class Lowerer:
             raise UnsupportedOp(key, _at(self.locate(node)))
         reshapes = self.aliases_read_later(node, key, written) if written and not _only_metadata(node) else []
         kwargs = {k: v for k, v in node.kwargs.items() if v not in written}  # out= holds a result, not an operand
+        before = len(self.graph.nodes)
         result = lower(self, *node.args, **kwargs)
         if reshapes and not isinstance(result, int):
             raise UnsupportedOp(f"in-place {key} on aliased memory", _at(self.locate(node)))
         for alias in reshapes:  # later reads of a whole reshape of the written tensor see the write
             self.env[alias] = _as_buffer(self, result, tuple(alias.meta["val"].shape))
+        if len(self.graph.nodes) == before and isinstance(result, int):
+            here = self.locate(node)
+            if here is not None and here.backward:
+                self._silent.setdefault((here.file, here.line), (here, result))
         return result
+
+    def mark_silent_steps(self) -> None:
+        """A backward formula that emits no op (only reads its saved tensors, and returns the
+        gradient it was given, as DTensor's log_softmax backward under loss_parallel does) leaves no
+        trace in the IR. An unused same-shape view at its forward line records that it ran, so a
+        diagnosis can point at a step that should have computed something."""
+        located = {(n.loc.file, n.loc.line) for n in self.graph.nodes if n.loc is not None and n.loc.backward}
+        for line, (loc, value) in self._silent.items():
+            if line not in located:
+                shape = self.shape(value)
+                self.graph.add("view", (value,), (shape,), shape, self.dtype(value), "backward_step", loc)
 
     def aliases_read_later(self, node: fx.Node, key: str, written: list[fx.Node]) -> list[fx.Node]:
         """After a write, older nodes sharing the storage that are read again. A whole reshape of

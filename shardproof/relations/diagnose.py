@@ -19,6 +19,7 @@ from shardproof.ir.ops import OPS
 from shardproof.relations.execute import Execution
 from shardproof.relations.layout import reshape_groups
 from shardproof.relations.rules import Rules
+from shardproof.relations.skipped import skipped_backward
 
 PIECES = {"piece", "max_piece"}  # one rank's part of a sum (or max) over ranks
 STRUCTURAL = {"slice", "cat", "bcast", "repeat", "lin", "full", "const", *PIECES}
@@ -94,8 +95,13 @@ class Diagnoser:
                 return self._at_collective(rank, node)
             # a partial sum consumed along the chain is a fault by itself; other divergences may
             # be its consequences (a max's gradient through the unreduced sum, say)
-            consumer = next((n for n in chain if self._partial_inputs(rank, n)), node)
-            return self._at_op(rank, consumer)
+            consumer = next((n for n in chain if self._partial_inputs(rank, n)), None)
+            if consumer is None:
+                skipped = skipped_backward(self.run, self.reference, self.ranks[rank], chain)
+                if skipped is not None:
+                    step, ref_step, message = skipped
+                    return Finding("discrepancy", "missing backward step", message, [(rank, step)], [ref_step])
+            return self._at_op(rank, consumer or node)
         rank, index = mismatched_outputs[0]
         node = self.ranks[rank][self.ranks[rank].outputs[index]]
         return self._at_output(rank, node)

@@ -61,3 +61,28 @@ def test_backward_ops_of_a_dtensor_op_are_placed_at_its_forward_line() -> None:
     assert one_hots, "cross entropy's backward writes the one-hot of the labels"
     assert all((n.loc.line, n.loc.backward) == (loss_line, True) for n in one_hots)
     assert not any(n.loc is not None and n.loc.line == backward_call for n in rank.nodes if n.op not in ("const", "leaf"))
+
+
+def _entropy_bonus_loss(logits: torch.Tensor, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    log_probs = F.log_softmax(logits, dim=-1)
+    return F.nll_loss(log_probs, labels) + (log_probs.exp() * log_probs).sum(-1).mean()
+
+
+def _entropy_step(model: nn.Module, inputs: tuple, rank: int, world_size: int) -> torch.Tensor:
+    with loss_parallel():
+        value = _entropy_bonus_loss(model(*inputs), *inputs)
+        value.backward()
+    return value
+
+
+def test_a_backward_step_that_emits_no_op_is_kept_at_its_forward_line() -> None:
+    """Under loss_parallel, log_softmax's backward returns its gradient as is: no op, but the IR
+    keeps a view at the log_softmax line, so a diagnosis can name the step."""
+    functions = [Head.forward, _parallel_head, _inputs, _entropy_bonus_loss, _entropy_step]
+    case = Case(Head, _parallel_head, _inputs, loss=_entropy_bonus_loss, distributed_step=_entropy_step,
+                mode="train", source=Path(THIS_FILE), source_functions=functions)
+    rank = capture(case, 2, mode="train").ranks[0]
+    line = inspect.getsourcelines(_entropy_bonus_loss)[1] + 1
+    steps = [n for n in rank.nodes if n.loc is not None and n.loc.line == line and n.loc.backward]
+    assert [n.op for n in steps] == ["view"]
+    assert steps[0].shape == rank[steps[0].inputs[0]].shape
