@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +15,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel, pa
 
 from shardproof.capture.torch_capture import capture
 from shardproof.case import Case
+from shardproof.ir.graph import Graph
 
 THIS_FILE = str(Path(__file__).resolve())
 VOCAB, HIDDEN = 16, 8
@@ -37,52 +39,50 @@ def _inputs() -> tuple:
     return torch.randn(6, HIDDEN), torch.arange(6).mul(5).remainder(VOCAB)
 
 
-def _loss(logits: torch.Tensor, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def _cross_entropy(logits: torch.Tensor, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits, labels)
 
 
-def _step(model: nn.Module, inputs: tuple, rank: int, world_size: int) -> torch.Tensor:
-    with loss_parallel():
-        value = _loss(model(*inputs), *inputs)
-        value.backward()
-    return value
+def _entropy_bonus(logits: torch.Tensor, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    log_probs = F.log_softmax(logits, dim=-1)
+    return F.nll_loss(log_probs, labels) + (log_probs.exp() * log_probs).sum(-1).mean()
+
+
+def _rank_graph(loss: Callable) -> Graph:
+    """Rank 0's training step under loss_parallel, logits sharded along the vocab."""
+
+    def step(model: nn.Module, inputs: tuple, rank: int, world_size: int) -> torch.Tensor:
+        with loss_parallel():
+            value = loss(model(*inputs), *inputs)
+            value.backward()
+        return value
+
+    functions = [Head.forward, _parallel_head, _inputs, loss, step]
+    case = Case(Head, _parallel_head, _inputs, loss=loss, distributed_step=step, mode="train",
+                source=Path(THIS_FILE), source_functions=functions)
+    return capture(case, 2, mode="train").ranks[0]
+
+
+def _first_line(function: Callable) -> int:
+    return inspect.getsourcelines(function)[1] + 1
 
 
 def test_backward_ops_of_a_dtensor_op_are_placed_at_its_forward_line() -> None:
     """DTensor's loss_parallel runs cross entropy's backward in Python handlers after creating
     autograd nodes of its own: its ops still belong to the cross-entropy line, not to backward()."""
-    functions = [Head.forward, _parallel_head, _inputs, _loss, _step]
-    case = Case(Head, _parallel_head, _inputs, loss=_loss, distributed_step=_step, mode="train",
-                source=Path(THIS_FILE), source_functions=functions)
-    rank = capture(case, 2, mode="train").ranks[0]
-    loss_line = inspect.getsourcelines(_loss)[1] + 1
-    backward_call = inspect.getsourcelines(_step)[1] + 3
+    rank = _rank_graph(_cross_entropy)
     one_hots = [n for n in rank.nodes if n.op == "scatter"]
     assert one_hots, "cross entropy's backward writes the one-hot of the labels"
-    assert all((n.loc.line, n.loc.backward) == (loss_line, True) for n in one_hots)
-    assert not any(n.loc is not None and n.loc.line == backward_call for n in rank.nodes if n.op not in ("const", "leaf"))
-
-
-def _entropy_bonus_loss(logits: torch.Tensor, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    log_probs = F.log_softmax(logits, dim=-1)
-    return F.nll_loss(log_probs, labels) + (log_probs.exp() * log_probs).sum(-1).mean()
-
-
-def _entropy_step(model: nn.Module, inputs: tuple, rank: int, world_size: int) -> torch.Tensor:
-    with loss_parallel():
-        value = _entropy_bonus_loss(model(*inputs), *inputs)
-        value.backward()
-    return value
+    assert all((n.loc.line, n.loc.backward) == (_first_line(_cross_entropy), True) for n in one_hots)
+    lines, start = inspect.getsourcelines(_rank_graph)
+    backward_call = start + next(i for i, line in enumerate(lines) if "value.backward()" in line)
+    assert not any(n.loc.line == backward_call for n in rank.nodes if n.loc is not None and n.op not in ("const", "leaf"))
 
 
 def test_a_backward_step_that_emits_no_op_is_kept_at_its_forward_line() -> None:
     """Under loss_parallel, log_softmax's backward returns its gradient as is: no op, but the IR
     keeps a view at the log_softmax line, so a diagnosis can name the step."""
-    functions = [Head.forward, _parallel_head, _inputs, _entropy_bonus_loss, _entropy_step]
-    case = Case(Head, _parallel_head, _inputs, loss=_entropy_bonus_loss, distributed_step=_entropy_step,
-                mode="train", source=Path(THIS_FILE), source_functions=functions)
-    rank = capture(case, 2, mode="train").ranks[0]
-    line = inspect.getsourcelines(_entropy_bonus_loss)[1] + 1
-    steps = [n for n in rank.nodes if n.loc is not None and n.loc.line == line and n.loc.backward]
+    rank = _rank_graph(_entropy_bonus)
+    steps = [n for n in rank.nodes if n.loc is not None and n.loc.line == _first_line(_entropy_bonus) and n.loc.backward]
     assert [n.op for n in steps] == ["view"]
     assert steps[0].shape == rank[steps[0].inputs[0]].shape

@@ -56,7 +56,8 @@ def mean_entropy(log_probs):
 
 def loss(logits, hidden_states, labels):
     """Cross entropy minus an entropy bonus."""
-    log_probs = F.log_softmax(logits.flatten(0, 1), dim=-1)
+    flat_logits = logits.flatten(0, 1)
+    log_probs = F.log_softmax(flat_logits, dim=-1)
     cross_entropy = F.nll_loss(log_probs, labels.flatten(0, 1))
     return cross_entropy - ENTROPY_COEF * mean_entropy(log_probs)
 
