@@ -3,8 +3,8 @@
 An op that autograd's C++ engine emits for a backward formula has no user frame of its own; it is
 located at the forward op it differentiates (matched by autograd sequence number) and marked as a
 backward op. A tensor subclass (DTensor) may create further autograd nodes while it runs the op,
-before the first traced op, so the forward op of node n is the first one traced with number >= n. Backward code the user wrote (custom autograd Functions, gradient hooks) keeps its
-own line.
+before the first traced op, so the forward op of node n is the first one traced with number >= n.
+Backward code the user wrote (custom autograd Functions, gradient hooks) keeps its own line.
 """
 
 from __future__ import annotations

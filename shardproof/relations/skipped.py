@@ -15,7 +15,7 @@ from shardproof.ir.graph import Graph, Node
 from shardproof.ir.ops import OPS
 from shardproof.relations.execute import Execution
 
-MOVES_ONLY = {"view", "permute", "slice", "expand", "convert", "cat", "leaf", "const"}
+MOVING = {"leaf", "const", "layout", "collective"}  # op kinds that compute no new values
 Line = tuple[str, int]
 
 
@@ -25,11 +25,12 @@ def skipped_backward(run: Execution, reference: Graph, graph: Graph, chain: list
     if not chain or chain[0].loc is None or not chain[0].loc.backward:
         return None
     backward = [n for n in graph.nodes if n.loc is not None and n.loc.backward]
-    computing = {_line(n) for n in backward if _computes(n)}
+    seen = {_line(n) for n in backward if _computes(n)}  # lines whose backward computes on this rank
     for node in backward:
         line = _line(node)
-        if line in computing:
+        if line in seen:
             continue
+        seen.add(line)
         lines = _reference_lines(run, reference, graph, line)
         steps = [n for n in reference.nodes if n.loc is not None and n.loc.backward and _computes(n) and _line(n) in lines]
         if steps:
@@ -38,7 +39,6 @@ def skipped_backward(run: Execution, reference: Graph, graph: Graph, chain: list
                        f"(it only passes its gradient on), where the reference's backward of the same values "
                        f"computes {ops}")
             return node, steps[0], message
-        computing.add(line)  # looked at: no reference step to miss
     return None
 
 
@@ -56,4 +56,4 @@ def _line(node: Node) -> Line | None:
 
 
 def _computes(node: Node) -> bool:
-    return node.op not in MOVES_ONLY and OPS[node.op].kind != "collective"
+    return OPS[node.op].kind not in MOVING
