@@ -43,6 +43,13 @@ class Finding:
     distributed: list[tuple[int, Node]] = field(default_factory=list)  # (rank, node), culprit first
     reference: list[Node] = field(default_factory=list)
     op: str | None = None
+    scale: Fraction | None = None  # wrong scale, double counting: the factor on the reference value
+    claim: str | None = None  # the claim (steps.Check label) found failing; None: the programs as a whole
+
+    @property
+    def brief(self) -> str:
+        """The kind of fault with its factor, to name a claim that fails alongside the one diagnosed."""
+        return self.kind if self.scale is None else f"{self.kind}: x{self.scale}"
 
 
 class Diagnoser:
@@ -208,30 +215,45 @@ class Diagnoser:
             repeated = self._double_reduction(rank, node)
             if repeated is not None:
                 return repeated
+            factor = have / want
             counted = f"after `{node.op}` the term {self.r.u.render(extra, 2)} is counted {have} times where the " \
                       f"reference counts it {want} times"
-            if have == want * len(node.attrs[-1]):
+            if factor == len(node.attrs[-1]) and self._held_whole(rank, node, extra):
                 culprit = self._introducing(rank, node, lambda x: extra in self._lin_args(x))
-                message = f"double counting: {counted}: it is added on every rank before the sum over ranks"
-                return Finding("discrepancy", "double counting", message, [(rank, culprit), (rank, node)])
+                message = f"double counting (x{factor}): {counted}: it is added on every rank before the sum over ranks"
+                return Finding("discrepancy", "double counting", message, [(rank, culprit), (rank, node)], scale=factor)
             scaling = self._scaling_origin(rank, node)
-            culprit = scaling or self._introducing(rank, node, lambda x: extra in self._lin_args(x))
-            where = f": each rank's share is scaled by {self._coefficient(rank, scaling)} here" if scaling else ""
-            return Finding("discrepancy", "wrong scale", f"wrong scale: {counted}{where}", [(rank, culprit), (rank, node)])
+            culprit = scaling[0] if scaling else self._introducing(rank, node, lambda x: extra in self._lin_args(x))
+            where = f": each rank's share is scaled by {scaling[1]} here" if scaling else ""
+            return Finding("discrepancy", "wrong scale", f"wrong scale (x{factor}): {counted}{where}",
+                           [(rank, culprit), (rank, node)], scale=factor)
         return self._unexplained(rank, node)
 
-    def _scaling_origin(self, rank: int, node: Node) -> Node | None:
-        """The first op that puts a constant factor on a rank's share of a sum flowing into `node`
-        (a mean's division, a loss normalisation): where a wrong scale is usually set."""
+    def _held_whole(self, rank: int, node: Node, extra: int) -> bool:
+        """Every rank's operand of the sum `node` holds the reference term `extra` itself (a bias
+        added before the all-reduce), not its share of it: summing counts it once per rank."""
+        operand = self.run.ranks[rank][node.inputs[0]]
+        return extra == operand or extra in self._lin_args(operand)
+
+    def _scaling_origin(self, rank: int, node: Node) -> tuple[Node, Fraction] | None:
+        """The first op that multiplies a rank's share of a sum flowing into `node` by a constant (a
+        mean's division, a loss normalisation), with that factor: where a wrong scale is usually set.
+        In a backward the factor is a constant divided out of the gradient seed (a mean's backward
+        yields 1/count), which the normal form folds into the share's other factors, so the division
+        computing it stands for the scaling."""
         terms = self.run.ranks[rank]
         for n in self._partial_chain(rank, node):
             term = self.r.u[terms[n.id]]
-            if term.op == "lin" and any(c != 1 for c in term.attrs[0]) and all(self.r.u[a].op == "piece" for a in term.args):
-                return n
+            scales = any(self.r.full_value(terms[i]) is not None for i in n.inputs)
+            if scales and term.op == "lin" and any(c != 1 for c in term.attrs[0]) \
+                    and all(self.r.u[a].op == "piece" for a in term.args):
+                return n, term.attrs[0][0]
+        graph = self.ranks[rank]
+        for n in graph.ancestors(graph[node.inputs[0]]):
+            factor = _normalising(self.r.full_value(terms[n.id])) if n.op in ("div", "mul") else None
+            if factor is not None:
+                return n, factor
         return None
-
-    def _coefficient(self, rank: int, node: Node) -> Fraction:
-        return self.r.u[self.run.ranks[rank][node.id]].attrs[0][0]
 
     def _double_reduction(self, rank: int, node: Node) -> Finding | None:
         """A sum over ranks of an operand that an earlier sum over the same ranks produced: every
@@ -558,11 +580,13 @@ class Diagnoser:
                 repeated = self._double_reduction(rank, culprit)
                 if repeated is not None:
                     return repeated
+            factor = have / want
             return Finding(
                 "discrepancy",
                 "wrong scale",
-                f"wrong scale: {have / want} times the reference value",
+                f"wrong scale (x{factor}): {factor} times the reference value",
                 [(rank, culprit)],
+                scale=factor,
             )
         return self._wrong_axis_finding(rank, node) or self._unexplained(rank, node)
 
@@ -742,3 +766,10 @@ def _is_rank_chunk(rank: int, part: tuple[int, int], whole: tuple[int, int]) -> 
 def _shape_compatible(local: tuple[int, ...], full: tuple[int, ...]) -> bool:
     return len(local) == len(full) and all(f % l == 0 for l, f in zip(local, full) if l)
 
+
+def _normalising(value: object) -> Fraction | None:
+    """`value` as the factor 1/k (k > 1 a whole number) that a mean or a loss normalisation applies."""
+    if not isinstance(value, (int, float, Fraction)) or isinstance(value, bool) or not 0 < value < 1:
+        return None
+    count = round(1 / value)
+    return Fraction(1, count) if abs(1 / value - count) < 1e-9 * count else None
