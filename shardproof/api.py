@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import math
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -14,14 +13,12 @@ import torch
 from shardproof.capture.torch_capture import Captured, capture
 from shardproof.case import Case, load_case, normalize_output
 from shardproof.errors import UnsupportedOp
+from shardproof.findings import combined, confirmed, failing_claims
 from shardproof.ir.graph import Graph, Node
-from shardproof.oracle import NumericResult, run_numeric
+from shardproof.oracle import run_numeric
 from shardproof.partition.backends import placement
 from shardproof.prove import Proof, prove
-from shardproof.relations.diagnose import Finding
 from shardproof.report.model import Report, Site
-
-NUMERIC_CHECK_LIMIT = 50_000_000  # reference state elements up to which a discrepancy is run numerically
 
 
 def verify(
@@ -73,10 +70,10 @@ def verify(
         return Report("unknown", n, time.perf_counter() - start, 0, 0, str(err), unknown={"op": err.op, "reason": str(err)})
     progress("proving")
     proof = prove(captured, progress)
-    if proof.finding is not None and proof.verdict == "discrepancy":
+    if proof.verdict == "discrepancy":
         progress("confirming the discrepancy on random weights")
         numbers = functools.partial(run_numeric, case, n, mode=mode)
-        proof.finding = confirmed(numbers, proof.finding, _state_elements(captured.reference))
+        proof.findings = confirmed(numbers, proof.findings, _state_elements(captured.reference))
     return proof_report(proof, captured, n, time.perf_counter() - start)
 
 
@@ -94,38 +91,15 @@ def proof_report(proof: Proof, captured: Captured, world_size: int, seconds: flo
         calls_proven=proof.calls.proven if proof.calls else 0,
         calls_reused=proof.calls.reused if proof.calls else 0,
     )
-    finding = proof.finding
-    if finding is not None:
+    if proof.findings:
+        finding = combined(proof.findings, proof.unchecked)
+        report.claims = failing_claims(proof.findings)
         report.diagnosis = finding.message
         report.distributed = _unique([_site(node, rank) for rank, node in finding.distributed])
         report.reference = _unique([_site(node, None) for node in finding.reference])
         if finding.verdict == "unknown":
             report.unknown = {"op": finding.op or "", "reason": finding.message}
     return report
-
-
-def confirmed(numeric: Callable[[], NumericResult], finding: Finding, elements: int) -> Finding:
-    """Certify a discrepancy by running every rank and the reference on random weights.
-
-    Structural faults (a partial sum used unreduced, pieces that overlap, a term counted twice)
-    differ for almost all weights; a wrong-layout finding could also be a missing rule, so it
-    stands only if the numbers differ. Numbers that agree turn any finding into `unknown`. Ranks
-    that issue different collectives need no numbers: a real run would hang or mix tensors."""
-    if finding.kind == "mismatched collectives":
-        return finding
-    if elements > NUMERIC_CHECK_LIMIT:
-        if finding.kind == "wrong layout":
-            return replace(finding, verdict="unknown", message=f"{finding.message} (not confirmed: model too large to run)")
-        return finding
-    numbers = numeric()
-    if numbers.agree:
-        return replace(
-            finding,
-            verdict="unknown",
-            message=f"proof incomplete ({finding.message}); the programs agree numerically on random weights, "
-            "so a rewrite rule is probably missing",
-        )
-    return replace(finding, message=f"{finding.message} [confirmed numerically: {numbers.detail}]")
 
 
 def _state_elements(reference: Graph) -> int:

@@ -16,7 +16,7 @@ import math
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
@@ -46,12 +46,26 @@ _HANG_GRACE_S = 1.0
 
 @dataclass
 class NumericResult:
-    """The verdict of one numeric run; `detail` names the worst rank so a failure can be found."""
+    """The verdict of one numeric run; `detail` names the worst rank so a failure can be found.
+
+    `differing` says, claim by claim (steps.Check labels), which claims the numbers refute: a
+    finding about one claim is confirmed by that claim's numbers, not by another's. A run that
+    could not be compared claim by claim (a hang, ranks claiming different parameters) leaves it
+    empty while disagreeing: it refutes the programs as a whole."""
 
     agree: bool
     max_abs_error: float
     max_rel_error: float  # relative to max |reference|
     detail: str  # human-readable, e.g. "rank 1 differs by 3.2e-1"
+    differing: dict[str, str] = field(default_factory=dict)  # claim label -> where it differs most
+
+    def differs(self, claim: str | None) -> str | None:
+        """Where the numbers refute `claim` (None: the programs as a whole), or None if they do not."""
+        if self.agree:
+            return None
+        if claim is None or not self.differing:
+            return self.detail
+        return self.differing.get(claim)
 
 
 @dataclass
@@ -100,7 +114,7 @@ def run_numeric(
         if any([c.label for c in rank_checks] != [c.label for c in checks[0]] for rank_checks in checks):
             raise CaseError("ranks claim different gradients or parameters; every rank must hold the same names")
         return _compare(ref_out, outputs, checks[0], atol, rtol)
-    except (_Mismatch, CaseError) as mismatch:
+    except CaseError as mismatch:
         return NumericResult(False, math.inf, math.inf, str(mismatch))
 
 
@@ -282,12 +296,23 @@ def _raise_first_error(errors: dict[int, BaseException], hung: list[int]) -> Non
 
 def _compare(ref_out: list[torch.Tensor], rank_outs: list[list[torch.Tensor]], checks: list[Check], atol: float,
              rtol: float) -> NumericResult:
-    results = [result for check in checks for result in _check(check, ref_out, rank_outs, atol, rtol)]
+    """Claim by claim; outputs of the wrong shape refute their claim alone."""
+    results: list[_Check] = []
+    worst: dict[str, _Check] = {}  # per refuted claim, its largest failure
+    for check in checks:
+        try:
+            checked = _check(check, ref_out, rank_outs, atol, rtol)
+        except _Mismatch as mismatch:
+            checked = [_Check(math.inf, math.inf, False, str(mismatch))]
+        results += checked
+        failed = [c for c in checked if not c.ok]
+        if failed:
+            worst[check.label] = max(failed, key=lambda c: c.error)
     max_abs = max((c.error for c in results), default=0.0)
     max_rel = max((c.relative for c in results), default=0.0)
-    failed = [c for c in results if not c.ok]
-    if failed:
-        return NumericResult(False, max_abs, max_rel, max(failed, key=lambda c: c.error).detail)
+    if worst:
+        detail = max(worst.values(), key=lambda c: c.error).detail
+        return NumericResult(False, max_abs, max_rel, detail, {label: c.detail for label, c in worst.items()})
     return NumericResult(True, max_abs, max_rel, f"all {len(rank_outs)} ranks agree, max error {max_abs:.1e}")
 
 

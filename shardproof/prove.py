@@ -1,7 +1,10 @@
-"""Prove every check of the captured program on every rank, or diagnose the first failure.
+"""Prove every check of the captured program on every rank, or diagnose the checks that fail.
 
-Graphs with calls of repeated modules are proven call by call, each distinct call once (see
-shardproof.partition.execute); where that does not settle it, the expanded programs are proven.
+Checks come in the order their failures are most useful to read (steps.py: gradients before the
+loss); the first that fails leads the report, and a few more failing ones are diagnosed so that
+the report can name them with their kinds of fault. Graphs with calls of repeated modules are
+proven call by call, each distinct call once (see shardproof.partition.execute); where that does
+not settle it, the expanded programs are proven.
 """
 
 from __future__ import annotations
@@ -22,16 +25,20 @@ from shardproof.report.progress import count
 from shardproof.steps import Check
 
 
+DIAGNOSED_CLAIMS = 5  # failing checks diagnosed; the checks after the last of them are not proven
+
+
 @dataclass
 class Proof:
-    finding: Finding | None  # None: every check proven
+    findings: list[Finding]  # one per failing check, the one to lead with first; empty: every check proven
     terms: int  # size of the term universe: the proof's working memory
     notes: list[str] = field(default_factory=list)  # what exactly was proven, where it is not obvious
     calls: CallProofs | None = None  # repeated calls: distinct boundaries proven, calls reused
+    unchecked: list[str] = field(default_factory=list)  # checks left unproven once enough had failed
 
     @property
     def verdict(self) -> str:
-        return "equivalent" if self.finding is None else self.finding.verdict
+        return self.findings[0].verdict if self.findings else "equivalent"
 
 
 def prove(captured: Captured, progress: Callable[[str], None] = lambda _: None) -> Proof:
@@ -82,28 +89,43 @@ def _diagnosed_call(
         proof = _judged(lambda: execute_with_calls(reference, ranks, calls), reference, ranks, checks, calls)
     except (NotPartitioned, Unmatched):
         return None
-    return proof if proof.verdict == "discrepancy" else None
+    if proof.verdict != "discrepancy":
+        return None
+    proof.findings = [replace(proof.findings[0], claim=None)]  # inside the programs, before any claim
+    proof.unchecked = []
+    return proof
 
 
 def _judged(
     run_graphs: Callable[[], Execution], reference: Graph, ranks: list[Graph], checks: list[Check], calls: CallProofs | None
 ) -> Proof:
-    """Execute, then prove the checks in order; the first that fails is diagnosed (ranks issuing
-    different collectives are a discrepancy of their own)."""
+    """Execute, then prove the checks in order and diagnose those that fail, up to DIAGNOSED_CLAIMS
+    of them; a discrepancy leads over a claim left unknown (ranks issuing different collectives
+    are a discrepancy of their own)."""
     try:
         run = run_graphs()
     except CollectiveMismatch as mismatch:
         finding = Finding("discrepancy", "mismatched collectives", f"mismatched collectives: {mismatch}", mismatch.nodes)
-        return Proof(finding, 0, calls=calls)
+        return Proof([finding], 0, calls=calls)
     notes: list[str] = []
-    for check in checks:
+    findings: list[Finding] = []
+    diagnoser: Diagnoser | None = None
+    checked = 0
+    while checked < len(checks) and len(findings) < DIAGNOSED_CLAIMS:
+        check = checks[checked]
+        checked += 1
         unproven = _unproven(run, reference, ranks, check, notes)
         if unproven:
-            finding = Diagnoser(run, reference, ranks).diagnose(unproven)
-            if check.relation in ("loss", "rank"):  # training checks: say which loss or gradient
-                finding = replace(finding, message=f"{check.label}: {finding.message}")
-            return Proof(finding, len(run.rules.u), notes, calls)
-    return Proof(None, len(run.rules.u), notes, calls)
+            diagnoser = diagnoser or Diagnoser(run, reference, ranks)
+            findings.append(_about(check, diagnoser.diagnose(unproven)))
+    findings.sort(key=lambda f: f.verdict != "discrepancy")
+    return Proof(findings, len(run.rules.u), notes, calls, [c.label for c in checks[checked:]])
+
+
+def _about(check: Check, finding: Finding) -> Finding:
+    """The finding as one about `check`; training checks say which loss, gradient or parameter."""
+    message = f"{check.label}: {finding.message}" if check.relation in ("loss", "rank") else finding.message
+    return replace(finding, claim=check.label, message=message)
 
 
 def _unproven(run: Execution, reference: Graph, ranks: list[Graph], check: Check, notes: list[str]) -> list[tuple[int, int]]:

@@ -135,15 +135,17 @@ class TrainingProgram(Program):
         return [_local(t) for t in outputs]
 
     def checks(self, reference_outputs: int, rank_outputs: int, rank_params: list[str], rank: int) -> list[Check]:
+        """Gradients first, then the updated parameters, then the loss: the order in which a failure
+        is most useful to read (a wrong gradient trains a worse model and makes the updated parameter
+        wrong too; a wrong loss alone is only mis-logged)."""
         with_grad = [n for n in rank_params if n not in self.freed.get(rank, ())]
-        checks = [Check("loss", 0, 0, "loss")]
-        checks += [Check(f"gradient of `{n}`", 1 + i, 1 + len(with_grad) + i, "rank") for i, n in enumerate(with_grad)]
+        checks = [Check(f"gradient of `{n}`", 1 + i, 1 + len(with_grad) + i, "rank") for i, n in enumerate(with_grad)]
         if self.step:
             count = len(rank_params)
             first = 1 + 2 * len(with_grad)
             checks += [Check(f"`{n}` after the optimizer step", first + i, first + count + i, "rank")
                        for i, n in enumerate(rank_params)]
-        return checks
+        return [*checks, Check("loss", 0, 0, "loss")]
 
     def _optimizer(self, params: Tensors) -> torch.optim.Optimizer:
         make = self.case.optimizer or (lambda ps: torch.optim.SGD(ps, lr=0.1))

@@ -163,7 +163,7 @@ def _freeing_case(mode: str = "step") -> Case:
 
 def test_a_freed_gradient_is_claimed_through_its_updated_parameter() -> None:
     labels = [check.label for check in capture(_freeing_case(), 2, mode="step").checks]
-    assert labels == ["loss", "gradient of `bias`", "`weight` after the optimizer step", "`bias` after the optimizer step"]
+    assert labels == ["gradient of `bias`", "`weight` after the optimizer step", "`bias` after the optimizer step", "loss"]
     assert run_numeric(_freeing_case(), 2).agree
     assert verify(_freeing_case(), world_size=2).verdict == "equivalent"
 
@@ -172,7 +172,7 @@ def test_without_the_step_a_missing_gradient_is_zero() -> None:
     """In training mode every gradient is claimed; one the step never produced counts as zero."""
     case = _freeing_case("train")
     labels = [check.label for check in capture(case, 2, mode="train").checks]
-    assert labels == ["loss", "gradient of `weight`", "gradient of `bias`"]
+    assert labels == ["gradient of `weight`", "gradient of `bias`", "loss"]
     assert not run_numeric(case, 2).agree
     assert verify(case, world_size=2).verdict != "equivalent"
 

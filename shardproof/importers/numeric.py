@@ -34,11 +34,12 @@ def random_leaves(reference: Graph, seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def run_graphs(reference: Graph, ranks: list[Graph], checks: list[Check], rtol: float = 1e-6) -> NumericResult:
-    """Every check's rank outputs against the reference output, relative to its largest value."""
+    """Every check's rank outputs against the reference output, relative to its largest value,
+    claim by claim."""
     leaves = random_leaves(reference)
     expected = run_graph(reference, leaves)
     outs = run_ranks(ranks, leaves)
-    worst = (0.0, 0.0, "")  # (relative error, absolute error, where)
+    worst: dict[str, tuple[float, float, str]] = {}  # per check: (relative error, absolute error, where)
     for check in checks:
         want, layout, index = expected[check.expected], check.relation, check.actual
         got = [o[index] for o in outs]
@@ -47,9 +48,10 @@ def run_graphs(reference: Graph, ranks: list[Graph], checks: list[Check], rtol: 
         for rank, value in enumerate(candidates):
             error = (value.double() - want.double()).abs().max().item() if want.numel() else 0.0
             where = check.label + ("" if layout[0] == "shard" else f" of rank {rank}")
-            if error / scale > worst[0]:
-                worst = (error / scale, error, where)
-    relative, absolute, where = worst
-    if relative > rtol:
-        return NumericResult(False, absolute, relative, f"{where} differs by {relative:.3g} (relative)")
+            if error / scale > worst.get(check.label, (0.0,))[0]:
+                worst[check.label] = (error / scale, error, where)
+    relative, absolute, where = max(worst.values(), default=(0.0, 0.0, ""))
+    differing = {label: f"{w} differs by {r:.3g} (relative)" for label, (r, _, w) in worst.items() if r > rtol}
+    if differing:
+        return NumericResult(False, absolute, relative, f"{where} differs by {relative:.3g} (relative)", differing)
     return NumericResult(True, absolute, relative, f"all outputs agree to {relative:.1g}")

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from shardproof.api import confirmed, proof_report
+from shardproof.api import proof_report
 from shardproof.capture.torch_capture import Captured
 from shardproof.case import Output
 from shardproof.errors import CaseError, UnsupportedOp
+from shardproof.findings import confirmed
 from shardproof.importers.graph_inputs import ImportedGraph
 from shardproof.importers.layouts import Layout
 from shardproof.importers.numeric import run_graphs
@@ -98,7 +99,7 @@ def verify_graphs(
     if proof.verdict == "discrepancy":
         progress("confirming the discrepancy on random inputs")
         numbers = lambda: run_graphs(captured.reference, captured.ranks, pair.checks)  # noqa: E731
-        proof.finding = confirmed(numbers, proof.finding, _elements(captured.reference))
+        proof.findings = confirmed(numbers, proof.findings, _elements(captured.reference))
     report = proof_report(proof, captured, pair.distributed.world_size, time.perf_counter() - start)
     report.capture_seconds = pair.seconds
     _state_assumptions(report, pair, choice)

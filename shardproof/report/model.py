@@ -41,6 +41,7 @@ class Report:
     outputs_compared: str | None = None  # imported graphs: how many outputs were compared
     calls_proven: int = 0  # distinct repeated-module calls proven (layer memoization)
     calls_reused: int = 0  # calls answered from one of those proofs
+    claims: list[str] = field(default_factory=list)  # discrepancy: the claims found failing, the diagnosed one first
 
     @property
     def exit_code(self) -> int:
@@ -51,6 +52,7 @@ class Report:
         if self.verdict == "discrepancy":
             discrepancy = {
                 "diagnosis": self.diagnosis,
+                "claims": self.claims,
                 "reference": [s.to_json() for s in self.reference],
                 "distributed": [s.to_json() for s in self.distributed],
             }

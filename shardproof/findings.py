@@ -1,0 +1,72 @@
+"""From the findings of a proof, one per failing claim, to what the report says.
+
+A finding is about one claim (steps.Check). It stands when the numbers refute that very claim:
+a mismatch in another claim confirms nothing about it. The report leads with the first finding
+that stands, in detail, and names the other failing claims with their kinds of fault, so that a
+wrong gradient is named even when the loss fails too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable
+
+from shardproof.oracle import NumericResult
+from shardproof.relations.diagnose import Finding
+
+NUMERIC_CHECK_LIMIT = 50_000_000  # reference state elements up to which a discrepancy is run numerically
+
+
+def confirmed(numeric: Callable[[], NumericResult], findings: list[Finding], elements: int) -> list[Finding]:
+    """Certify the findings of a discrepancy by running every rank and the reference on random
+    weights, claim by claim; the findings that stand come first, the others become `unknown`.
+
+    Structural faults (a partial sum used unreduced, pieces that overlap, a term counted twice)
+    differ for almost all weights; a wrong-layout finding could also be a missing rule, so it
+    stands only if the numbers differ. If no finding stands, the lead one turns `unknown` and says
+    why. Ranks that issue different collectives need no numbers: a real run would hang or mix tensors."""
+    lead = findings[0]
+    if lead.kind == "mismatched collectives":
+        return findings
+    if elements > NUMERIC_CHECK_LIMIT:
+        structural = ["" if f.kind != "wrong layout" else None for f in findings]
+        return _standing(findings, structural, f"{lead.message} (not confirmed: model too large to run)")
+    numbers = numeric()
+    refuted = [numbers.differs(f.claim) for f in findings]
+    evidence = [None if where is None else f" [confirmed numerically: {where}]" for where in refuted]
+    reason = "the programs agree numerically on random weights" if numbers.agree else \
+        f"{lead.claim} agrees numerically on random weights (the numbers differ only in {', '.join(numbers.differing)})"
+    return _standing(findings, evidence, f"proof incomplete ({lead.message}); {reason}, so a rewrite rule is probably missing")
+
+
+def _standing(findings: list[Finding], evidence: list[str | None], otherwise: str) -> list[Finding]:
+    """The discrepancies with evidence (appended to their message) first, then the rest as `unknown`;
+    with none, the lead finding as `unknown` saying `otherwise`."""
+    stands = [f.verdict == "discrepancy" and e is not None for f, e in zip(findings, evidence)]
+    standing = [replace(f, message=f.message + e) for f, e, ok in zip(findings, evidence, stands) if ok]
+    rest = [replace(f, verdict="unknown") for f, ok in zip(findings, stands) if not ok]
+    if standing:
+        return standing + rest
+    return [replace(rest[0], message=otherwise), *rest[1:]]
+
+
+def combined(findings: list[Finding], unchecked: list[str]) -> Finding:
+    """One finding for the report: the lead in detail, the other failing claims by kind of fault
+    (their sites after the lead's), the claims left unproven, and how many were not checked."""
+    lead, others = findings[0], findings[1:]
+    failing = [f for f in others if f.verdict == "discrepancy"]
+    unproven = [f.claim for f in others if f.verdict != "discrepancy"]
+    parts = [lead.message]
+    if failing:
+        parts.append("also failing: " + ", ".join(f"{f.claim} ({f.brief})" for f in failing))
+    if unproven:
+        parts.append("also unproven: " + ", ".join(str(claim) for claim in unproven))
+    if unchecked:
+        parts.append(f"{len(unchecked)} further claim{'s' if len(unchecked) > 1 else ''} not checked")
+    sites = [site for f in (lead, *failing) for site in f.distributed]
+    return replace(lead, message="; ".join(parts), distributed=sites)
+
+
+def failing_claims(findings: list[Finding]) -> list[str]:
+    """The claims the findings show failing, the lead first."""
+    return [f.claim for f in findings if f.verdict == "discrepancy" and f.claim is not None]
