@@ -51,17 +51,22 @@ def _checked(path: Path, world_size: int):
         assert numbers.agree, f"proven equivalent but the numbers differ: {numbers.detail}"
     if report.verdict == "discrepancy":
         assert not numbers.agree, f"discrepancy reported but the numbers agree: {report.diagnosis}"
+        assert set(report.claims) <= set(numbers.differing), f"claims {report.claims} named failing, numbers differ " \
+            f"in {list(numbers.differing)}"
     return report, numbers
 
 
 @pytest.mark.parametrize("path", _params(sorted(CASES.glob("*_buggy.py"))))
 def test_buggy_case_is_a_discrepancy_at_the_marked_line(path: Path) -> None:
     line, kind = _marker(path, "BUG")
-    report, _ = _checked(path, _world_size(path))
+    report, numbers = _checked(path, _world_size(path))
     assert report.verdict == "discrepancy", report.diagnosis
     culprit = report.distributed[0] if report.distributed else report.reference[0]
     assert (Path(culprit.file).name, culprit.line) == (path.name, line), report.diagnosis
     assert KIND_WORDS[kind] in report.diagnosis
+    wrong_gradients = [claim for claim in numbers.differing if claim.startswith("gradient of")]
+    if wrong_gradients:  # a wrong gradient trains a worse model: it leads, even when the loss is wrong too
+        assert report.claims[:1] and report.claims[0] in wrong_gradients, report.diagnosis
 
 
 @pytest.mark.parametrize(

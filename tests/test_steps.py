@@ -97,6 +97,7 @@ def _checked(case: Case, world_size: int, mode: str):
     report = verify(case, world_size=world_size, train=mode == "train", step=mode == "step")
     numbers = run_numeric(case, world_size, mode=mode)
     assert (report.verdict == "equivalent") == numbers.agree, (report.diagnosis, numbers.detail)
+    assert set(report.claims) <= set(numbers.differing), (report.claims, numbers.differing)
     return report
 
 
@@ -121,10 +122,15 @@ def test_data_parallel_loss_is_proven_as_a_mean_over_ranks(world_size: int) -> N
     assert any("mean of the" in note and "loss" in note for note in report.notes)
 
 
-def test_summed_data_parallel_gradients_are_a_discrepancy_named_by_gradient() -> None:
-    report = _checked(_data_parallel(average=False), 2, "train")
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_summed_data_parallel_gradients_are_a_wrong_scale_by_the_world_size(world_size: int) -> None:
+    """Each rank's gradient is its batch shard's mean; summing them over ranks (not averaging)
+    scales every gradient by the number of ranks."""
+    report = _checked(_data_parallel(average=False), world_size, "train")
     assert report.verdict == "discrepancy"
     assert report.diagnosis.startswith("gradient of `")
+    assert f"wrong scale (x{world_size})" in report.diagnosis
+    assert report.claims and all(claim.startswith("gradient of `") for claim in report.claims)
 
 
 def test_training_without_a_loss_is_a_case_error() -> None:

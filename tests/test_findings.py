@@ -1,0 +1,102 @@
+"""shardproof/findings.py: a finding stands only on its own claim's numbers; the report leads with
+one finding and names the other failing claims by kind."""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from shardproof.case import Case
+from shardproof.findings import NUMERIC_CHECK_LIMIT, combined, confirmed, failing_claims
+from shardproof.oracle import NumericResult, run_numeric
+from shardproof.relations.diagnose import Finding
+
+GRADIENT, LOSS = "gradient of `weight`", "loss"
+
+
+def _finding(claim: str | None, kind: str = "wrong scale", scale: Fraction | None = Fraction(3)) -> Finding:
+    return Finding("discrepancy", kind, f"{claim}: {kind}", claim=claim, scale=scale)
+
+
+def _differing(*claims: str) -> NumericResult:
+    return NumericResult(not claims, 1.0, 1.0, "worst", {claim: f"{claim} differs" for claim in claims})
+
+
+def _mislogged_loss(model: nn.Module, inputs: tuple, rank: int, world_size: int) -> torch.Tensor:
+    """Right data-parallel gradients (averaged), but the loss it returns is doubled."""
+    loss = F.mse_loss(model(*inputs), *inputs)
+    loss.backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+    return 2 * loss
+
+
+def _mislogged_case() -> Case:
+    return Case(
+        reference=lambda: nn.Linear(4, 4),
+        distributed=lambda rank, n: nn.Linear(4, 4),
+        inputs=lambda: (torch.randn(4, 4),),
+        shard_input=lambda index, full, rank, n: full.chunk(n, 0)[rank],
+        loss=F.mse_loss,
+        distributed_step=_mislogged_loss,
+        mode="train",
+    )
+
+
+def test_a_finding_about_a_claim_that_agrees_numerically_is_not_confirmed_by_another_claim() -> None:
+    """The oracle really runs: the gradient agrees, the loss differs; a finding about the gradient
+    must not be confirmed by the loss's numbers."""
+    numbers = run_numeric(_mislogged_case(), 2)
+    assert set(numbers.differing) == {LOSS}
+    [finding] = confirmed(lambda: numbers, [_finding(GRADIENT)], 1)
+    assert finding.verdict == "unknown"
+    assert f"{GRADIENT} agrees numerically" in finding.message and LOSS in finding.message
+    assert failing_claims([finding]) == []
+
+
+def test_the_finding_is_re_aimed_at_a_failing_claim_that_differs() -> None:
+    lead, other = confirmed(lambda: _differing(LOSS), [_finding(GRADIENT), _finding(LOSS)], 1)
+    assert (lead.claim, lead.verdict) == (LOSS, "discrepancy")
+    assert lead.message.endswith(f"[confirmed numerically: {LOSS} differs]")
+    assert (other.claim, other.verdict) == (GRADIENT, "unknown")
+    assert combined([lead, other], []).message.endswith(f"; also unproven: {GRADIENT}")
+
+
+def test_every_claim_that_differs_stands_and_is_named_with_its_kind() -> None:
+    findings = confirmed(lambda: _differing(GRADIENT, LOSS), [_finding(GRADIENT), _finding(LOSS)], 1)
+    assert failing_claims(findings) == [GRADIENT, LOSS]
+    message = combined(findings, ["`bias` after the optimizer step"]).message
+    assert message.startswith(f"{GRADIENT}: wrong scale [confirmed numerically: {GRADIENT} differs]")
+    assert message.endswith(f"; also failing: {LOSS} (wrong scale: x3); 1 further claim not checked")
+
+
+def test_numbers_that_agree_leave_the_lead_unknown() -> None:
+    [finding] = confirmed(lambda: _differing(), [_finding(GRADIENT)], 1)
+    assert finding.verdict == "unknown" and "agree numerically" in finding.message
+
+
+def test_a_finding_about_the_whole_program_stands_on_any_difference() -> None:
+    [finding] = confirmed(lambda: _differing(LOSS), [_finding(None, "missing reduction", None)], 1)
+    assert finding.verdict == "discrepancy"
+
+
+def test_a_run_that_cannot_compare_claims_refutes_every_claim() -> None:
+    hang = NumericResult(False, math.inf, math.inf, "ranks [1] never finished")
+    [finding] = confirmed(lambda: hang, [_finding(GRADIENT)], 1)
+    assert finding.verdict == "discrepancy" and "never finished" in finding.message
+
+
+def test_too_large_to_run_only_structural_faults_stand() -> None:
+    def never() -> NumericResult:
+        raise AssertionError("a model this large is not run")
+
+    layout, scale = _finding(GRADIENT, "wrong layout", None), _finding(LOSS)
+    findings = confirmed(never, [layout, scale], NUMERIC_CHECK_LIMIT + 1)
+    assert [(f.claim, f.verdict) for f in findings] == [(LOSS, "discrepancy"), (GRADIENT, "unknown")]
+    [alone] = confirmed(never, [layout], NUMERIC_CHECK_LIMIT + 1)
+    assert alone.verdict == "unknown" and "too large" in alone.message
