@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from shardproof.case import Case, Output
 from shardproof.errors import CaseError
 from shardproof.state import module_state
-from shardproof.steps import Check, program_for, trainable_names
+from shardproof.steps import Check, Trained, agreed, program_for
 
 # The threaded process group swaps torch's global c10d world: one oracle run at a time.
 _LOCK = threading.Lock()
@@ -96,26 +96,24 @@ def run_numeric(
         program = program_for(case, ref, mode or case.mode)
         ref_out = [t.detach() for t in program.reference(ref, _private(ref_state), _private(inputs))]
         bound = [ref_out[i] for i in program.bound]
-        names: list[list[str]] = [[] for _ in range(world_size)]
 
-        def run_rank(rank: int) -> list[torch.Tensor]:
+        def run_rank(rank: int) -> tuple[list[torch.Tensor], Trained]:
             with _RealFloats():  # dispatch modes are per thread
                 model = case.distributed(rank, world_size)
-                names[rank] = trainable_names(model)
-                outputs = program.rank(model, _private(ref_state), _private(inputs), rank, world_size, _private(bound))
-                return _plain(outputs)
+                outputs, trained = program.rank(model, _private(ref_state), _private(inputs), rank, world_size,
+                                                _private(bound))
+                return _plain(outputs), trained
 
-        outputs, hung = _run_ranks(run_rank, world_size)
+        runs, hung = _run_ranks(run_rank, world_size)
         if hung:
             return NumericResult(False, math.inf, math.inf, f"ranks {hung} never finished: they wait in a "
                                  "collective that the other ranks do not issue")
+    outputs = [outs for outs, _ in runs]
     try:
-        checks = [program.checks(len(ref_out), len(outs), names[r], r) for r, outs in enumerate(outputs)]
-        if any([c.label for c in rank_checks] != [c.label for c in checks[0]] for rank_checks in checks):
-            raise CaseError("ranks claim different gradients or parameters; every rank must hold the same names")
-        return _compare(ref_out, outputs, checks[0], atol, rtol)
+        checks = agreed([program.checks(len(ref_out), len(outs), trained) for outs, trained in runs])
     except CaseError as mismatch:
         return NumericResult(False, math.inf, math.inf, str(mismatch))
+    return _compare(ref_out, outputs, checks, atol, rtol)
 
 
 class _RealFloats(TorchDispatchMode):

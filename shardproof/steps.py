@@ -14,7 +14,9 @@ Training mode (`--train`) claims, for one step, that
   gradient (ZeRO stage 2 keeps only its partition of the reduced flat gradient and sets `.grad` to
   None): no gradient claim is made for it, its updated parameter carries the proof.
 The expected gradient is computed on the rank side by running the rank's loader on the reference
-gradients, which the rank program receives as extra inputs ("bound" reference outputs).
+gradients, which the rank program receives as extra inputs ("bound" reference outputs). Which
+claims a rank makes depends on its run (the gradients its step freed), so a rank program returns,
+besides its tensors, what it `Trained`; its checks are made from that.
 """
 
 from __future__ import annotations
@@ -48,6 +50,15 @@ class Check:
     relation: Output | str
 
 
+@dataclass(frozen=True)
+class Trained:
+    """What a rank's run says about its parameters besides their values: their names, in output
+    order, and those whose gradient its step freed (they carry no gradient claim)."""
+
+    names: tuple[str, ...] = ()
+    freed: frozenset[str] = frozenset()
+
+
 class Program:
     """The forward program: the model's outputs under the case's OUTPUT layout."""
 
@@ -62,8 +73,8 @@ class Program:
         return flat_tensors(functional_call(model, state, inputs))
 
     def rank(self, model: torch.nn.Module, ref_state: dict, inputs: tuple, rank: int, world_size: int,
-             bound: Tensors) -> Tensors:
-        return self.run_loaded(model, self.load(model, ref_state, inputs, rank, world_size))
+             bound: Tensors) -> tuple[Tensors, Trained]:
+        return self.run_loaded(model, self.load(model, ref_state, inputs, rank, world_size)), Trained()
 
     def load(self, model: torch.nn.Module, ref_state: dict, inputs: tuple, rank: int, world_size: int) -> Tensors:
         """The checkpoint loader alone: the rank's plain shards (in the model's state order), then its inputs."""
@@ -75,7 +86,7 @@ class Program:
         state = as_model_holds(dict(zip(held, loaded)), model)
         return flat_tensors(functional_call(model, state, tuple(loaded[len(held) :])))
 
-    def checks(self, reference_outputs: int, rank_outputs: int, rank_params: list[str], rank: int) -> list[Check]:
+    def checks(self, reference_outputs: int, rank_outputs: int, trained: Trained) -> list[Check]:
         if rank_outputs != reference_outputs:
             raise CaseError(f"a rank returns {rank_outputs} tensors but the reference returns {reference_outputs}")
         layout = self.case.output_layout()
@@ -96,7 +107,6 @@ class TrainingProgram(Program):
         self.step = step
         count = len(reference_params)
         self.bound = tuple(range(1, 1 + (2 if step else 1) * count))
-        self.freed: dict[int, frozenset[str]] = {}  # per rank: gradients its step set to None
 
     def reference(self, model: torch.nn.Module, state: dict, inputs: tuple) -> Tensors:
         params = _trainable(state, self.names)
@@ -108,7 +118,7 @@ class TrainingProgram(Program):
         return [loss, *grads, *params.values()]
 
     def rank(self, model: torch.nn.Module, ref_state: dict, inputs: tuple, rank: int, world_size: int,
-             bound: Tensors) -> Tensors:
+             bound: Tensors) -> tuple[Tensors, Trained]:
         local = rank_state(self.case, ref_state, model, rank, world_size)
         local_inputs = rank_inputs(self.case, inputs, rank, world_size)
         names = trainable_names(model)
@@ -125,26 +135,25 @@ class TrainingProgram(Program):
             freed, grads = set(), _gradients(loss, params)
             if self.step:
                 _optimizer_step(self._optimizer, params, grads)
-        self.freed[rank] = frozenset(freed)
         kept = [i for i, n in enumerate(names) if n not in freed]
         expected = self._expected(bound[: len(self.names)], ref_state, model, rank, world_size, names)
         outputs = [loss, *(grads[i] for i in kept), *(expected[i] for i in kept)]
         if self.step:
             updated = self._expected(bound[len(self.names) :], ref_state, model, rank, world_size, names)
             outputs += [*params.values(), *updated]
-        return [_local(t) for t in outputs]
+        return [_local(t) for t in outputs], Trained(tuple(names), frozenset(freed))
 
-    def checks(self, reference_outputs: int, rank_outputs: int, rank_params: list[str], rank: int) -> list[Check]:
+    def checks(self, reference_outputs: int, rank_outputs: int, trained: Trained) -> list[Check]:
         """Gradients first, then the updated parameters, then the loss: the order in which a failure
         is most useful to read (a wrong gradient trains a worse model and makes the updated parameter
         wrong too; a wrong loss alone is only mis-logged)."""
-        with_grad = [n for n in rank_params if n not in self.freed.get(rank, ())]
+        with_grad = [n for n in trained.names if n not in trained.freed]
         checks = [Check(f"gradient of `{n}`", 1 + i, 1 + len(with_grad) + i, "rank") for i, n in enumerate(with_grad)]
         if self.step:
-            count = len(rank_params)
+            count = len(trained.names)
             first = 1 + 2 * len(with_grad)
             checks += [Check(f"`{n}` after the optimizer step", first + i, first + count + i, "rank")
-                       for i, n in enumerate(rank_params)]
+                       for i, n in enumerate(trained.names)]
         return [*checks, Check("loss", 0, 0, "loss")]
 
     def _optimizer(self, params: Tensors) -> torch.optim.Optimizer:
@@ -157,6 +166,15 @@ class TrainingProgram(Program):
         substituted = {**ref_state, **dict(zip(self.names, values))}
         local = rank_state(self.case, substituted, model, rank, world_size)
         return [local[name] for name in names]
+
+
+def agreed(per_rank: list[list[Check]]) -> list[Check]:
+    """The checks every rank makes (rank order); ranks holding other parameters cannot be compared."""
+    for rank, checks in enumerate(per_rank):
+        if [c.label for c in checks] != [c.label for c in per_rank[0]]:
+            raise CaseError(f"rank {rank} claims other gradients or parameters than rank 0; every rank must hold "
+                            "the same parameter names")
+    return per_rank[0] if per_rank else []
 
 
 def program_for(case: Case, reference: torch.nn.Module, mode: str) -> Program:

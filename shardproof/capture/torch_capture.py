@@ -26,13 +26,13 @@ from shardproof.capture.dispatch_trace import NotPlain, Traced, chain, record
 from shardproof.capture.locations import anchor_user_code, autograd_origins, locator, user_frame
 from shardproof.capture.meshes import RealDeviceMeshes, distinct_meshes
 from shardproof.case import Case
-from shardproof.errors import CaptureError, CaseError, ShardproofError
+from shardproof.errors import CaptureError, ShardproofError
 from shardproof.ir.from_fx import Lowerer
 from shardproof.ir.graph import BOUND_LEAF_PREFIX, Graph
 from shardproof.partition.module_calls import trace_with_memo
 from shardproof.report.progress import count
 from shardproof.state import module_state
-from shardproof.steps import Check, Program, program_for, trainable_names
+from shardproof.steps import Check, Program, Trained, agreed, program_for
 
 aten = torch.ops.aten
 
@@ -70,27 +70,26 @@ def capture(
         reference = _trace_reference(session, memo)
         bound = [_placeholder(reference, i) for i in session.program.bound]
         ranks: list[Graph] = []
-        checks: list[Check] | None = None
+        claims: list[list[Check]] = []  # per rank
+
+        def claimed(graph: Graph, trained: Trained) -> None:
+            ranks.append(graph)
+            claims.append(session.program.checks(len(reference.outputs), len(graph.outputs), trained))
+
         rest: RankTracer | None = None
         for rank in range(world_size):
             if rest is not None:
                 progress(f"tracing ranks {rank}..{world_size - 1} in workers")
                 for graph in rest(list(range(rank, world_size))):
-                    ranks.append(graph)
-                    session.program.checks(len(reference.outputs), len(graph.outputs), [], graph.rank)
+                    claimed(graph, Trained())  # workers trace forward programs only: no parameter claims
                 break
             progress(f"tracing rank {rank}/{world_size}")
             traced = time.perf_counter()
-            graph, model = _trace_rank(session, rank, bound, memo)
-            ranks.append(graph)
-            rank_checks = session.program.checks(len(reference.outputs), len(graph.outputs), trainable_names(model), rank)
-            if checks is not None and [c.label for c in checks] != [c.label for c in rank_checks]:
-                raise CaseError(f"rank {rank} has other parameters than rank 0; every rank must hold the same names")
-            checks = rank_checks
+            claimed(*_trace_rank(session, rank, bound, memo))
             count(progress, "ranks traced", rank + 1, world_size)
             if rank == 0 and not session.program.bound:
                 rest = placement(time.perf_counter() - traced)
-    return Captured(reference, ranks, checks or [], time.perf_counter() - start)
+    return Captured(reference, ranks, agreed(claims), time.perf_counter() - start)
 
 
 def capture_ranks(case: Case, world_size: int, ranks: list[int], memo: bool = True) -> list[Graph]:
@@ -138,8 +137,9 @@ def _trace_reference(session: _Session, memo: bool) -> Graph:
     return _trace("the reference model", run_reference, session.tensors, session.names, [], None, model, session.program)
 
 
-def _trace_rank(session: _Session, rank: int, bound: list[torch.Tensor], memo: bool) -> tuple[Graph, torch.nn.Module]:
-    """The rank's graph (its checkpoint loader, then its model, over the reference's leaves) and model."""
+def _trace_rank(session: _Session, rank: int, bound: list[torch.Tensor], memo: bool) -> tuple[Graph, Trained]:
+    """The rank's graph (its checkpoint loader, then its model, over the reference's leaves) and what
+    its run says about its parameters."""
     program, world_size = session.program, session.world_size
     with _process_group(rank, world_size):
         model = _build(f"distributed({rank}, {world_size})", lambda: session.case.distributed(rank, world_size))
@@ -154,14 +154,20 @@ def _trace_rank(session: _Session, rank: int, bound: list[torch.Tensor], memo: b
                     return program.run_loaded(model, list(loaded))
 
                 what, names = f"rank {rank}", session.names
-                return _trace(what, run_loaded, session.tensors, names, reduce_ops, rank, memo_model, program, load), model
+                return _trace(what, run_loaded, session.tensors, names, reduce_ops, rank, memo_model, program, load), \
+                    Trained()
+
+            runs: list[Trained] = []  # make_fx traces tensors only: the rest of a run's result is kept here
 
             def run_rank(*args: torch.Tensor) -> list[torch.Tensor]:
-                return program.rank(model, *session.unpack(args), rank, world_size, list(args[len(session.tensors) :]))
+                outputs, trained = program.rank(model, *session.unpack(args), rank, world_size,
+                                                list(args[len(session.tensors) :]))
+                runs.append(trained)
+                return outputs
 
             names = session.names + [f"{BOUND_LEAF_PREFIX}{i}" for i in program.bound]
             leaves = session.tensors + bound
-            return _trace(f"rank {rank}", run_rank, leaves, names, reduce_ops, rank, memo_model, program), model
+            return _trace(f"rank {rank}", run_rank, leaves, names, reduce_ops, rank, memo_model, program), runs[-1]
 
 
 # Composite backward and optimizer ops, broken into the primitive ops the rules know.
