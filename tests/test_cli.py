@@ -61,7 +61,7 @@ def test_discrepancy_json_lists_the_culprit_first(tmp_path: Path) -> None:
     assert code == 1
     first = found["distributed"][0]
     assert Path(first["file"]).name == path.name and "BUG" in first["code"] and first["rank"] in (0, 1)
-    assert "double counting" in found["diagnosis"]
+    assert "double counting" in found["diagnosis"] and found["claims"] == ["output 0"]
 
 
 def test_missing_all_reduce_in_a_new_case_is_found(tmp_path: Path, capsys) -> None:
