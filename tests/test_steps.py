@@ -216,3 +216,20 @@ def _summed(grad: torch.Tensor) -> torch.Tensor:
 def test_gradient_hooks_registered_on_the_model_fire_in_the_step(hooked: bool) -> None:
     report = _checked(_sequence_parallel_with_norm_hooks(hooked), 2, "train")
     assert report.verdict == ("equivalent" if hooked else "discrepancy"), report.diagnosis
+
+
+def _bias_frozen_on_rank_1() -> Case:
+    def build(rank: int, world_size: int) -> nn.Module:
+        model = nn.Linear(4, 4)
+        model.bias.requires_grad_(rank != 1)
+        return model
+
+    return Case(lambda: nn.Linear(4, 4), build, lambda: (torch.randn(4, 4),), loss=_mse, mode="train")
+
+
+def test_ranks_claiming_other_parameters_cannot_be_compared() -> None:
+    """Every rank must make the same claims: here rank 1 trains no bias, so it claims no bias gradient."""
+    with pytest.raises(CaseError, match="rank 1 claims other gradients"):
+        verify(_bias_frozen_on_rank_1(), world_size=2)
+    numbers = run_numeric(_bias_frozen_on_rank_1(), 2)
+    assert not numbers.agree and "rank 1 claims other gradients" in numbers.detail
