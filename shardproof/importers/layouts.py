@@ -16,14 +16,18 @@ from shardproof.ir.build import GraphBuilder
 
 @dataclass(frozen=True)
 class Layout:
-    kind: str  # "replicate" or "shard"
+    kind: str  # "replicate", "shard" or "value"
     dim: int = 0
     blocks: tuple[int, ...] = ()  # block boundaries in the reference dim, from 0 to its size
     micro: tuple[int, int] = (0, 1)  # (index, count) of micro-batches per rank
+    value: float | None = None  # kind "value": the number taken for a constant
+    why: str = ""  # kind "value": how the number was chosen
 
     def describe(self) -> str:
         if self.kind == "replicate":
             return "replicated"
+        if self.kind == "value":
+            return f"= {self.value} ({self.why})"
         what = f"sharded on dim {self.dim}"
         if len(self.blocks) > 2:
             what += f" in blocks {list(self.blocks)} (each block split over ranks)"
@@ -43,7 +47,7 @@ class Layout:
         return out
 
     def fits(self, full: tuple[int, ...], local: tuple[int, ...], world_size: int) -> bool:
-        if self.kind == "replicate":
+        if self.kind != "shard":
             return full == local
         parts = world_size * self.micro[1]
         if len(full) != len(local) or self.blocks[0] != 0 or self.blocks[-1] != full[self.dim]:
@@ -55,7 +59,7 @@ class Layout:
 
 def cut(b: GraphBuilder, value: int, layout: Layout, rank: int, world_size: int) -> int:
     """Emit the ops that take this rank's part of `value`."""
-    if layout.kind == "replicate":
+    if layout.kind != "shard":  # a value replaces the reference's leaf itself (`relate.with_values`)
         return value
     pieces = [b.slice(value, layout.dim, lo, hi) for lo, hi in layout.regions(rank, world_size)]
     return b.cat(pieces, layout.dim)

@@ -5,7 +5,8 @@ inputs are further micro-batches of the earlier ones with the same shape (gradie
 Each pair gets candidate layouts from the shapes alone (replicate when equal, a shard on the one
 dim whose size ratio is the number of parts), ranked by evidence from both programs: a fused
 weight whose output the reference slices at [0, q, q+k, q+2k] and each rank at the same
-boundaries divided by the world size is interleaved in those blocks. The proof picks among the
+boundaries divided by the world size is interleaved in those blocks. A tensor constant the dumps
+do not record gets candidate values (`constants.py`). The proof picks among the
 candidates (`importers/verify.py`); nothing here claims a layout is right.
 """
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from shardproof.errors import CaseError
+from shardproof.importers.constants import reduction_identities
 from shardproof.importers.graph_inputs import GraphInput, ImportedGraph
 from shardproof.importers.layouts import Layout, cut
 from shardproof.ir.build import GraphBuilder
@@ -30,12 +32,9 @@ class Pairing:
     ref: GraphInput
     candidates: list[Layout]
     pinned: bool = False
-    value: float | None = None  # a constant whose values the dumps elide, pinned to one number
 
     def describe(self, layout: Layout, labels: ImportedGraph) -> str:
         pinned = " (pinned)" if self.pinned else ""
-        if self.value is not None:
-            return f"{self.dist.name} = {self.ref.name} = {self.value}{pinned}"
         name = labels.label(self.ref.name)
         return f"{self.dist.name} = {self.ref.name}{f' ({name})' if name != self.ref.name else ''} {layout.describe()}{pinned}"
 
@@ -49,6 +48,8 @@ def pair_inputs(ref: ImportedGraph, dist: ImportedGraph, world_size: int) -> lis
         dists = [i for i in dist.inputs if i.constant == kind]
         for d, r, micro in _match(refs, dists, dist.path):
             layouts = _candidates(r.shape, d.shape, world_size, micro, bounds_ref, bounds_dist)
+            if kind:
+                layouts = _values(dist.graph, d) or layouts
             if not layouts:
                 raise CaseError(
                     f"{dist.path}: input {d.name} {list(d.shape)} cannot be cut from reference input {r.name} "
@@ -131,6 +132,13 @@ def _candidates(
     return layouts
 
 
+def _values(graph: Graph, constant: GraphInput) -> list[Layout]:
+    return [
+        Layout("value", value=v, why=f"not recorded in the dumps; inferred: the identity of the `{op}` reduction over ranks it reaches")
+        for v, op in reduction_identities(graph, constant.node)
+    ]
+
+
 def _boundaries(graph: Graph) -> dict[int, set[int]]:
     """Where each program cuts a dim: size of the dim -> offsets it slices or concatenates at."""
     found: dict[int, set[int]] = {}
@@ -169,7 +177,7 @@ def pin(pairs: list[Pairing], ref: ImportedGraph, path: str | Path) -> None:
         if "value" in spec:
             if not pair.dist.constant:
                 raise CaseError(f"--relations {path}: {name} is a graph input, not a constant; only constants take a value")
-            pair.value, pair.candidates = spec["value"], [Layout("replicate")]
+            pair.candidates = [Layout("value", value=spec["value"], why="not recorded in the dumps")]
             continue
         dim = int(spec.get("dim", 0))
         if spec.get("layout", "replicate") == "shard" and not 0 <= dim < len(pair.ref.shape):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -46,7 +46,7 @@ class ImportedPair:
     def captured(self, layouts: list[Layout]) -> Captured:
         """Reference and rank graphs over the same leaves, with these input layouts."""
         n = self.distributed.world_size
-        values = {p.ref.name: p.value for p in self.pairs if p.value is not None}
+        values = {p.ref.name: layout.value for p, layout in zip(self.pairs, layouts) if layout.kind == "value"}
         ranks = [rank_graph(g, self.pairs, layouts, r, n) for r, g in enumerate(self.distributed.graphs)]
         ranks = [_restricted(with_values(g, values), self.compared) for g in ranks]
         reference = with_values(self.reference.graphs[0].graph, values)
@@ -96,7 +96,11 @@ def verify_graphs(
         if proof.verdict == "equivalent":
             break
     proof, captured, choice = first
-    if proof.verdict == "discrepancy":
+    unrecorded = _unrecorded(pair.pairs, choice)
+    if proof.verdict == "discrepancy" and unrecorded:
+        message = f"{proof.finding.message} (not confirmed: it may hold only for some values of the constants)"
+        proof.finding = replace(proof.finding, verdict="unknown", message=message)
+    elif proof.verdict == "discrepancy":
         progress("confirming the discrepancy on random inputs")
         numbers = lambda: run_graphs(captured.reference, captured.ranks, pair.checks)  # noqa: E731
         proof.findings = confirmed(numbers, proof.findings, _elements(captured.reference))
@@ -113,7 +117,7 @@ def _state_assumptions(report: Report, pair: ImportedPair, layouts: list[Layout]
     report.inputs = [p.describe(layout, reference) for p, layout in zip(pair.pairs, layouts)]
     report.inputs += [f"process group `{g}`: ranks {list(ranks)}" for g, ranks in sorted(pair.distributed.groups.items())]
     report.outputs_compared = f"{len(pair.compared)} of {len(reference.graph.outputs)}"
-    elided = [p.dist.name for p in pair.pairs if p.dist.constant and p.value is None]
+    elided = _unrecorded(pair.pairs, layouts)
     if report.verdict != "equivalent" and elided:
         report.diagnosis += (
             f"; note: the dumps do not show the values of constants {', '.join(elided)} (taken as unknown inputs); "
@@ -121,6 +125,11 @@ def _state_assumptions(report: Report, pair: ImportedPair, layouts: list[Layout]
         )
         if report.unknown is not None:
             report.unknown["reason"] = report.diagnosis
+
+
+def _unrecorded(pairs: list[Pairing], layouts: list[Layout]) -> list[str]:
+    """The constants the dumps do not show that this assignment leaves as unknown inputs."""
+    return [p.dist.name for p, layout in zip(pairs, layouts) if p.dist.constant and layout.kind != "value"]
 
 
 def _assignments(pairs: list[Pairing]) -> Iterator[list[Layout]]:

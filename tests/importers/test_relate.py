@@ -85,8 +85,8 @@ def test_pinned_relations_override_and_constants_take_values(tmp_path: Path) -> 
     pinned = tmp_path / "r.json"
     pinned.write_text(json.dumps({"w": {"layout": "shard", "dim": 1, "blocks": [0, 6, 12]}, "c9": {"value": 0.5}}))
     pin(pairs, ref, pinned)
-    assert pairs[0].candidates == [Layout("shard", 1, (0, 6, 12))] and pairs[1].value == 0.5
-    assert pairs[1].describe(pairs[1].candidates[0], ref) == "c9 = c0 = 0.5 (pinned)"
+    assert pairs[0].candidates == [Layout("shard", 1, (0, 6, 12))] and pairs[1].candidates[0].value == 0.5
+    assert pairs[1].describe(pairs[1].candidates[0], ref) == "c9 = c0 = 0.5 (not recorded in the dumps) (pinned)"
     bound = with_values(ref.graph, {"c0": 0.5})
     assert bound[ref.inputs[1].node].op == "const"
     pinned.write_text(json.dumps({"w": {"value": 1}}))

@@ -18,8 +18,9 @@ needs_data = pytest.mark.skipif(not ENTANGLE.is_dir(), reason="../shared/data/en
 
 # Megatron's vocab-parallel cross entropy fills masked targets with tensor constants whose values
 # the dumps do not record (`masked_target[mask] = 0`, `predicted_logits[mask] = 0.0` inside the
-# autograd Function); the sum over ranks is the reference's only if they are 0.
-CE_FILLS = {"_tensor_constant2": {"value": 0}, "_tensor_constant3": {"value": 0.0}}
+# autograd Function); the sum over ranks is the reference's only if they are 0, the identity of
+# the all-reduce they reach: the value inferred, and stated.
+INFERRED = "= 0 (not recorded in the dumps; inferred: the identity of the `sum` reduction over ranks it reaches)"
 
 
 def _run(tmp_path: Path, ref: str, dist: str, relations: dict | None = None) -> tuple[int, dict]:
@@ -44,16 +45,18 @@ def test_vllm_qwen2_tensor_parallel_is_equivalent(tmp_path: Path) -> None:
 @needs_data
 @pytest.mark.parametrize("ref, dist, ranks", [("paral1_layer1", "paral2_layer1", 2), ("paral1_layer1", "paral4_layer1", 4), ("paral1_layer2", "paral2_layer2", 2)])
 def test_megatron_gpt_tensor_and_sequence_parallel_is_equivalent(tmp_path: Path, ref: str, dist: str, ranks: int) -> None:
-    code, report = _run(tmp_path, f"gpt/{ref}", f"gpt/{dist}", CE_FILLS)
+    code, report = _run(tmp_path, f"gpt/{ref}", f"gpt/{dist}")
     assert code == 0 and report["verdict"] == "equivalent" and report["world_size"] == ranks
     assert report["outputs_compared"].startswith("5 of")  # the loss, then tensors saved for backward differ
+    filled = [i for i in report["inputs"] if i.startswith("_tensor_constant")]
+    assert len(filled) == 2 and all(i.endswith(INFERRED) for i in filled)
 
 
 @needs_data
-def test_megatron_gpt_without_the_fill_values_is_not_proven_and_says_why(tmp_path: Path) -> None:
-    code, report = _run(tmp_path, "gpt/paral1_layer1", "gpt/paral2_layer1")
-    assert code == 2 and report["verdict"] == "unknown"
-    assert "do not show the values of constants _tensor_constant2, _tensor_constant3" in report["unknown"]["reason"]
+def test_megatron_gpt_with_a_wrong_fill_value_is_not_proven(tmp_path: Path) -> None:
+    code, report = _run(tmp_path, "gpt/paral1_layer1", "gpt/paral2_layer1", {"_tensor_constant3": {"value": 1.0}})
+    assert code != 0 and report["verdict"] != "equivalent"
+    assert "_tensor_constant3 = _tensor_constant1 = 1.0 (not recorded in the dumps) (pinned)" in report["inputs"]
 
 
 @needs_data
@@ -66,10 +69,9 @@ def test_gradient_accumulation_bug_is_a_confirmed_wrong_scale(tmp_path: Path) ->
 
 
 @needs_data
-def test_layernorm_bug_forward_is_proven_on_the_joint_graph(tmp_path: Path) -> None:
+def test_layernorm_bug_forward_is_proven_on_the_joint_graph() -> None:
     """The forward half of the joint graph (the loss) is proven; the backward is the gap below."""
-    report = verify_graphs(ENTANGLE / "bug_missing_layernorm_allreduce/tp1", ENTANGLE / "bug_missing_layernorm_allreduce/tp2.bug",
-                           relations=_pinned(tmp_path))  # fmt: skip
+    report = verify_graphs(ENTANGLE / "bug_missing_layernorm_allreduce/tp1", ENTANGLE / "bug_missing_layernorm_allreduce/tp2.bug")
     assert report.verdict != "equivalent"
     assert "process group `1`: ranks [0]" in report.inputs and "process group `3`: ranks [1]" in report.inputs
 
@@ -77,14 +79,7 @@ def test_layernorm_bug_forward_is_proven_on_the_joint_graph(tmp_path: Path) -> N
 @needs_data
 @pytest.mark.xfail(strict=True, reason="backward rules missing: vocab-parallel cross-entropy gradient (target one-hot "
                    "scatter under the target mask) and attention backward through per-head q/k layer norms")
-def test_missing_layernorm_allreduce_is_found_at_the_weight_gradient(tmp_path: Path) -> None:
-    report = verify_graphs(ENTANGLE / "bug_missing_layernorm_allreduce/tp1", ENTANGLE / "bug_missing_layernorm_allreduce/tp2.bug",
-                           relations=_pinned(tmp_path))  # fmt: skip
+def test_missing_layernorm_allreduce_is_found_at_the_weight_gradient() -> None:
+    report = verify_graphs(ENTANGLE / "bug_missing_layernorm_allreduce/tp1", ENTANGLE / "bug_missing_layernorm_allreduce/tp2.bug")
     assert report.verdict == "discrepancy" and report.diagnosis.startswith("missing reduction")
     assert any("layernorm" in site.code or "fused_layer_norm" in site.code for site in report.distributed)
-
-
-def _pinned(tmp_path: Path) -> Path:
-    path = tmp_path / "relations.json"
-    path.write_text(json.dumps(CE_FILLS))
-    return path
