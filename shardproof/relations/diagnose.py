@@ -235,23 +235,24 @@ class Diagnoser:
         operand = self.run.ranks[rank][node.inputs[0]]
         return extra == operand or extra in self._lin_args(operand)
 
-    def _scaling_origin(self, rank: int, node: Node) -> tuple[Node, Fraction] | None:
-        """The first op that multiplies a rank's share of a sum flowing into `node` by a constant (a
-        mean's division, a loss normalisation), with that factor: where a wrong scale is usually set.
-        In a backward the factor is a constant divided out of the gradient seed (a mean's backward
-        yields 1/count), which the normal form folds into the share's other factors, so the division
-        computing it stands for the scaling."""
+    def _scaling_origin(self, rank: int, node: Node, want: Fraction | None = None) -> tuple[Node, Fraction] | None:
+        """The first op that multiplies a rank's (or micro-batch's) share of a sum flowing into `node`
+        by a constant (a mean's division, a loss normalisation), with that factor: where a wrong scale
+        is usually set. In a backward the factor is a constant divided out of the gradient seed (a
+        mean's backward yields 1/count), which the normal form folds into the share's other factors,
+        so the division computing it stands for the scaling. With `want`, the reference's factor on
+        the whole, a share scaled by exactly that is right and passed over."""
         terms = self.run.ranks[rank]
         for n in self._partial_chain(rank, node):
             term = self.r.u[terms[n.id]]
             scales = any(self.r.full_value(terms[i]) is not None for i in n.inputs)
-            if scales and term.op == "lin" and any(c != 1 for c in term.attrs[0]) \
+            if scales and term.op == "lin" and any(c not in (1, want) for c in term.attrs[0]) \
                     and all(self.r.u[a].op == "piece" for a in term.args):
                 return n, term.attrs[0][0]
         graph = self.ranks[rank]
         for n in graph.ancestors(graph[node.inputs[0]]):
             factor = _normalising(self.r.full_value(terms[n.id])) if n.op in ("div", "mul") else None
-            if factor is not None:
+            if factor is not None and factor != want:
                 return n, factor
         return None
 
@@ -581,13 +582,12 @@ class Diagnoser:
                 if repeated is not None:
                     return repeated
             factor = have / want
-            return Finding(
-                "discrepancy",
-                "wrong scale",
-                f"wrong scale (x{factor}): {factor} times the reference value",
-                [(rank, culprit)],
-                scale=factor,
-            )
+            message = f"wrong scale (x{factor}): {factor} times the reference value"
+            scaling = self._scaling_origin(rank, node, want)
+            if scaling is None:
+                return Finding("discrepancy", "wrong scale", message, [(rank, culprit)], scale=factor)
+            where = f"; each share of it is scaled by {scaling[1]} here, where the reference scales the whole by {want}"
+            return Finding("discrepancy", "wrong scale", message + where, [(rank, scaling[0]), (rank, culprit)], scale=factor)
         return self._wrong_axis_finding(rank, node) or self._unexplained(rank, node)
 
     def _unreduced_output(self, rank: int, node: Node) -> Finding:

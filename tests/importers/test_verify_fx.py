@@ -65,6 +65,10 @@ def test_gradient_accumulation_bug_is_a_confirmed_wrong_scale(tmp_path: Path) ->
     assert code == 1 and report["verdict"] == "discrepancy"
     diagnosis = report["discrepancy"]["diagnosis"]
     assert diagnosis.startswith("wrong scale") and "confirmed numerically" in diagnosis
+    assert "each share of it is scaled by 1/4 here, where the reference scales the whole by 1/8" in diagnosis
+    culprit = report["discrepancy"]["distributed"][0]  # the micro-batch mean, not the accumulation
+    assert (culprit["file"].rsplit("/", 1)[-1], culprit["line"]) == ("test_trainer_simple.py", 100)
+    assert culprit["code"] == "loss = ((y - labels) ** 2).mean()"
     assert "arg5_1 = arg2_1 sharded on dim 0, micro-batch 1 of 2" in report["inputs"]
 
 
