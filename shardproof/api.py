@@ -109,7 +109,7 @@ def _state_elements(reference: Graph) -> int:
 def _site(node: Node, rank: int | None) -> Site:
     loc = node.loc
     op = f"{node.op} in the backward" if loc and loc.backward else node.op
-    return Site(loc.file if loc else "?", loc.line if loc else 0, loc.code if loc else node.name, op, rank)
+    return Site(loc.file if loc else "?", loc.line if loc else 0, loc.code if loc else node.name, op, rank, node.name)
 
 
 def _unique(sites: list[Site]) -> list[Site]:

@@ -114,7 +114,7 @@ def _judged(
     while checked < len(checks) and len(findings) < DIAGNOSED_CLAIMS:
         check = checks[checked]
         checked += 1
-        unproven = _unproven(run, reference, ranks, check, notes)
+        unproven = unproven_outputs(run, reference, ranks, check, notes)
         if unproven:
             diagnoser = diagnoser or Diagnoser(run, reference, ranks)
             findings.append(_about(check, diagnoser.diagnose(unproven)))
@@ -128,7 +128,7 @@ def _about(check: Check, finding: Finding) -> Finding:
     return replace(finding, claim=check.label, message=message)
 
 
-def _unproven(run: Execution, reference: Graph, ranks: list[Graph], check: Check, notes: list[str]) -> list[tuple[int, int]]:
+def unproven_outputs(run: Execution, reference: Graph, ranks: list[Graph], check: Check, notes: list[str]) -> list[tuple[int, int]]:
     """The (rank, output index) pairs where `check` is not proven."""
     rules = run.rules
     actual = [run.ranks[g.rank][g.outputs[check.actual]] for g in ranks]

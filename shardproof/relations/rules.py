@@ -1530,7 +1530,9 @@ def _scatter(r: Rules, op: str, args, attrs, shape, dtype) -> int:
 def _local_one_hot(r: Rules, index: int, src: int, dim: int, shape, dtype) -> int | None:
     """scatter_add(0, dim, I, S) on a rank owning [lo, hi) of the axis, where S is zero for ids
     outside [lo, hi) and I is ids - lo inside it: the [lo, hi) slice of scatter_add(0, dim, ids, S')
-    with S' the values inside, over the axis width the reference wrote such a one-hot with."""
+    with S' the values inside, over the axis width the reference wrote such a one-hot with. In the
+    reference, [lo, hi) covering the whole axis (the same masked code run on one rank) gives that
+    one-hot itself: ids outside the axis write nothing either way."""
     for mask, (ids, lo, hi, outside) in _range_masks(r, src):
         if hi - lo != shape[dim] or r.u[ids].shape and math.prod(r.shape(ids)) != math.prod(r.shape(index)):
             continue
@@ -1539,7 +1541,10 @@ def _local_one_hot(r: Rules, index: int, src: int, dim: int, shape, dtype) -> in
         if r.full_value(rebuild(r, src, {mask: beyond}, {})) != 0 or not _is_shift_of(r, index, ids, lo, hi, {mask: inside}):
             continue
         whole_index = r.view(ids, r.shape(index))
-        widths = sorted(w for w in r.reference_one_hots.get((dim, whole_index), ()) if w >= hi)
+        if (lo, hi) == (0, shape[dim]) and r.reference_size is None:
+            widths = [hi]
+        else:
+            widths = sorted(w for w in r.reference_one_hots.get((dim, whole_index), ()) if w >= hi)
         if not widths:
             continue
         whole_shape = tuple(widths[0] if d == dim else n for d, n in enumerate(shape))

@@ -15,6 +15,7 @@ class Site:
     code: str
     op: str
     rank: int | None = None
+    node: str = ""  # the graph node's name: in an imported dump, its own variable (when the line is a library's)
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)

@@ -54,14 +54,23 @@ def _cross_entropy_lookup(logits, target):
     return picked, updated
 
 
+def _masked_embedding_backward(table, ids, grad):
+    """Megatron's vocab-parallel embedding on the rank owning ids [2, 6): its weight gradient."""
+    mask = (ids < 2) | (ids >= 6)
+    table = table.detach().requires_grad_()
+    out = F.embedding(torch.where(mask, 0, ids - 2), table).masked_fill(mask[..., None], 0.0)
+    return torch.autograd.grad(out, table, grad)
+
+
 @pytest.mark.parametrize(
     "fn, inputs",
     [
+        (_masked_embedding_backward, lambda: (f64(4, 3), torch.tensor([[0, 2, 5, 7, 3], [6, 1, 4, 2, 2]]), f64(2, 5, 3))),
         (_forward, lambda: (f64(3, 4), f64(4), f64(4), torch.tensor([1, 0, 2]), f64(5, 4))),
         (_backward, lambda: (f64(3, 4), f64(4, 5), f64(6, 5), torch.tensor([[0, 5, 2], [1, 1, 4], [3, 0, 0]]))),
         (_cross_entropy_lookup, lambda: (f64(4, 6), torch.tensor([5, 0, 2, 2]))),
     ],
-    ids=["forward", "backward", "cross-entropy-lookup"],
+    ids=["masked-embedding-backward", "forward", "backward", "cross-entropy-lookup"],
 )
 def test_make_fx_dumps_compute_what_torch_computes(tmp_path: Path, fn, inputs) -> None:
     values = inputs()
@@ -72,6 +81,15 @@ def test_make_fx_dumps_compute_what_torch_computes(tmp_path: Path, fn, inputs) -
     assert len(got) == len(want)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
+
+
+def test_a_row_masked_embedding_gradient_carries_the_mask_in_its_one_hot(tmp_path: Path) -> None:
+    """So that a rank's one-hot is a slice of the reference's (the numbers are checked above)."""
+    ids = torch.tensor([[0, 2, 5, 7, 3], [6, 1, 4, 2, 2]])
+    graph = load_fx(str(dumped(tmp_path, _masked_embedding_backward, f64(4, 3), ids, f64(2, 5, 3))), 0, 1).graph
+    (hot,) = [n for n in graph.nodes if n.op == "scatter_add"]
+    weights = graph[hot.inputs[2]]
+    assert weights.op == "convert" and graph[weights.inputs[0]].op == "logical_not"
 
 
 KERNELS = '''

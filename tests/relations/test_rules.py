@@ -1459,6 +1459,21 @@ def test_vocab_parallel_one_hot_is_a_slice_of_the_reference_one(vocab, cuts_, sp
     assert b.cat(ranks, 2).term == whole.term
 
 
+@pytest.mark.parametrize("vocab,cuts_", [(8, (0, 4, 8)), (9, (0, 3, 6, 9))])
+def test_a_reference_running_the_masked_code_over_the_whole_vocab_writes_the_plain_one_hot(vocab, cuts_):
+    """Megatron on one rank: the mask `ids < 0 | ids >= vocab` and the shift by 0 still spelled."""
+    b = Build()
+    ids = labels(b, "ids", (2, 3), vocab)
+    whole = megatron_rank_one_hot(b, ids, 0, vocab, "megatron")
+    b.check(whole)
+    assert whole.term == one_hot(b, ids, b.scalar(-1.0, ids.shape), vocab).term
+    b.r.reference_size = len(b.u)
+    ranks = [megatron_rank_one_hot(b, ids, lo, hi, "megatron") for lo, hi in zip(cuts_, cuts_[1:])]
+    for rank in ranks:
+        b.check(rank)
+    assert b.cat(ranks, 2).term == whole.term
+
+
 def test_rank_one_hot_without_a_reference_one_stays_literal():
     """The axis width is not visible on a rank: without the reference's one-hot it is left alone."""
     b = Build()
