@@ -8,10 +8,8 @@ dumps reported a time for the same graphs, the ratio. See bench/README.md for th
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,19 +18,17 @@ from child import run_in_child
 from verify_llama import render
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "entangle"
-# Megatron's cross-entropy fill constants, elided by the dumps (see tests/importers/test_verify_fx.py)
-CE_FILLS = {"_tensor_constant2": {"value": 0}, "_tensor_constant3": {"value": 0.0}}
-# (reference, distributed, relations pinned by hand, research tool's seconds on a 16-core server)
+# (reference, distributed, research tool's seconds on a 16-core server); no relation is pinned
 PAIRS = [
-    ("aws_llama/tp1_layer1", "aws_llama/tp2_layer1", None, 10.1),
-    ("aws_llama/tp1_layer1", "aws_llama/tp4_layer1", None, None),
-    ("aws_llama/tp1_layer2", "aws_llama/tp2_layer2", None, None),
-    ("gpt/paral1_layer1", "gpt/paral2_layer1", CE_FILLS, 13.6),
-    ("gpt/paral1_layer1", "gpt/paral4_layer1", CE_FILLS, None),
-    ("gpt/paral1_layer2", "gpt/paral2_layer2", CE_FILLS, None),
-    ("qwen2/paral1_layer1", "qwen2/paral2_layer1", None, None),
-    ("bug_grad_accumulation/1step", "bug_grad_accumulation/2step.bug", None, None),
-    ("bug_missing_layernorm_allreduce/tp1", "bug_missing_layernorm_allreduce/tp2.bug", CE_FILLS, None),
+    ("aws_llama/tp1_layer1", "aws_llama/tp2_layer1", 10.1),
+    ("aws_llama/tp1_layer1", "aws_llama/tp4_layer1", None),
+    ("aws_llama/tp1_layer2", "aws_llama/tp2_layer2", None),
+    ("gpt/paral1_layer1", "gpt/paral2_layer1", 13.6),
+    ("gpt/paral1_layer1", "gpt/paral4_layer1", None),
+    ("gpt/paral1_layer2", "gpt/paral2_layer2", None),
+    ("qwen2/paral1_layer1", "qwen2/paral2_layer1", None),
+    ("bug_grad_accumulation/1step", "bug_grad_accumulation/2step.bug", None),
+    ("bug_missing_layernorm_allreduce/tp1", "bug_missing_layernorm_allreduce/tp2.bug", None),
 ]
 HEADERS = ["distributed", "ranks", "verdict", "import s", "proof s", "total s", "peak MiB", "terms", "research s", "speed-up"]
 
@@ -63,15 +59,11 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def measure(reference: str, distributed: str, relations: dict | None) -> dict[str, Any]:
+def measure(reference: str, distributed: str) -> dict[str, Any]:
     """Verify one pair in this process; return the Row fields."""
     from shardproof.importers.verify import verify_graphs
 
-    pinned = None
-    if relations is not None:
-        pinned = Path(tempfile.mkdtemp()) / "relations.json"
-        pinned.write_text(json.dumps(relations))
-    report = verify_graphs(DATA / reference, DATA / distributed, relations=pinned)
+    report = verify_graphs(DATA / reference, DATA / distributed)
     return {
         "verdict": report.verdict,
         "ranks": report.world_size,
@@ -83,9 +75,9 @@ def measure(reference: str, distributed: str, relations: dict | None) -> dict[st
     }
 
 
-def run_pair(reference: str, distributed: str, relations: dict | None, research: float | None, timeout: float) -> Row:
+def run_pair(reference: str, distributed: str, research: float | None, timeout: float) -> Row:
     """Measure one pair in a fresh spawned process; failures become the row's verdict."""
-    status, payload = run_in_child(measure, (reference, distributed, relations), timeout)
+    status, payload = run_in_child(measure, (reference, distributed), timeout)
     if status == "ok":
         return Row(distributed, research, **payload)
     return Row(distributed, research, status, note=payload)
@@ -100,10 +92,10 @@ def main(argv: list[str] | None = None) -> None:
     if not DATA.is_dir():
         parser.error(f"graph dumps not found at {DATA}")
     rows = []
-    for reference, distributed, relations, research in PAIRS:
+    for reference, distributed, research in PAIRS:
         if args.only and args.only not in distributed:
             continue
-        rows.append(run_pair(reference, distributed, relations, research, args.timeout))
+        rows.append(run_pair(reference, distributed, research, args.timeout))
         print(f"{distributed}: {rows[-1].verdict}", file=sys.stderr, flush=True)
     print(render(HEADERS, [row.cells() for row in rows], args.markdown))
     notes = [f"- {row.pair}: {row.note}" for row in rows if row.note and row.verdict != "equivalent"]
