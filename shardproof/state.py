@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from shardproof.case import Case
 from shardproof.errors import CaseError
+from shardproof.importers.layouts import plain_layout, take
 
 
 def module_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -59,7 +60,8 @@ def rank_inputs(case: Case, ref_inputs: tuple, rank: int, world_size: int) -> tu
 def _infer_shard(
     name: str, held: torch.Tensor, ref_state: dict[str, torch.Tensor], rank: int, world_size: int
 ) -> torch.Tensor:
-    """Default loader: same name in the reference; the layout from DTensor placements or shapes."""
+    """Default loader: same name in the reference; the layout from DTensor placements, or from the
+    shapes by the rule the graph importers start from (`importers/layouts.plain_layout`)."""
     if name not in ref_state:
         raise CaseError(
             f"cannot infer how `{name}` is built from the reference state: no reference tensor has that "
@@ -68,21 +70,13 @@ def _infer_shard(
     full = ref_state[name]
     if isinstance(held, DTensor):
         return _dtensor_local(full, held, rank)
-    if tuple(held.shape) == tuple(full.shape):
-        return full
-    split_dims = [
-        d for d, (h, f) in enumerate(zip(held.shape, full.shape)) if h != f and h * world_size == f
-    ]
-    if held.dim() != full.dim() or len(split_dims) != 1 or _count_mismatches(held, full) != 1:
+    layout = plain_layout(tuple(full.shape), tuple(held.shape), world_size)
+    if layout is None:
         raise CaseError(
             f"cannot infer how `{name}` {tuple(held.shape)} is cut from the reference {tuple(full.shape)} "
             f"at world size {world_size}. Define shard_state(ref_state, rank, world_size) in the case file."
         )
-    return full.chunk(world_size, split_dims[0])[rank]
-
-
-def _count_mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
-    return sum(x != y for x, y in zip(a.shape, b.shape))
+    return take(full, layout, rank, world_size)
 
 
 def _dtensor_local(full: torch.Tensor, held: DTensor, rank: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ from pathlib import Path
 from shardproof.errors import CaseError
 from shardproof.importers.constants import reduction_identities
 from shardproof.importers.graph_inputs import GraphInput, ImportedGraph
-from shardproof.importers.layouts import Layout, cut
+from shardproof.importers.layouts import Layout, cut, plain_layout
 from shardproof.ir.build import GraphBuilder
 from shardproof.ir.graph import Graph, Location
 
@@ -109,15 +109,11 @@ def _candidates(
     full: tuple[int, ...], local: tuple[int, ...], n: int, micro: tuple[int, int],
     bounds_ref: dict[int, set[int]], bounds_dist: dict[int, set[int]],
 ) -> list[Layout]:  # fmt: skip
-    if full == local and micro[1] == 1:
-        return [Layout("replicate")]
-    parts = n * micro[1]
-    dims = [d for d, (f, l) in enumerate(zip(full, local)) if f != l]
-    if len(dims) != 1 or len(full) != len(local):
-        return []
-    dim = dims[0]
+    plain = plain_layout(full, local, n, micro)
+    if plain is None or plain.kind == "replicate":
+        return [plain] if plain else []
+    parts, dim = n * micro[1], plain.dim
     size = full[dim]
-    plain = Layout("shard", dim, (0, size), micro)
     seen_ref = tuple(sorted(bounds_ref.get(size, set()) | {0, size}))
     seen_dist = tuple(sorted({b * parts for b in bounds_dist.get(local[dim], set())} | {0, size}))
     ranked = []
