@@ -9,7 +9,8 @@ the new values of the arguments the wrapped kernel mutates, in order.
 Modelling choices, stated because the dump cannot show them: dropout is the identity (its random
 mask is not part of the proof); vLLM's attention kernel is causal softmax attention per head (its
 sequence metadata is not in the graph); a tensor constant whose value the dump omits is an input,
-matched to the reference's, unless its source line assigns a literal (`x[mask] = 0.0`).
+matched to the reference's, unless its source line assigns a literal (`x[mask] = 0.0`); its
+candidate values are inferred later (`constants.py`).
 """
 
 from __future__ import annotations
@@ -252,7 +253,7 @@ def _row_masked(lo: DumpLowerer, value: int, rows: tuple[int, ...]) -> tuple[int
     cond, zero, kept = (lo.graph[i] for i in node.inputs)
     while zero.op in ("view", "expand"):
         zero = lo.graph[zero.inputs[0]]
-    if zero.op != "const" or zero.attrs[0] != ("full", 0.0) and zero.attrs[0] != ("full", 0):
+    if zero.op != "const" or zero.attrs[0] != ("full", 0) or kept.shape != node.shape:
         return None
     if cond.op != "expand" or lo.shape(cond.inputs[0]) != rows + (1,):
         return None
