@@ -21,7 +21,7 @@ def bench(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
 
 
 def test_one_pair_gives_a_full_row(bench: ModuleType):
-    row = bench.run_pair("aws_llama/tp1_layer1", "aws_llama/tp2_layer1", None, 10.1, timeout=300)
+    row = bench.run_pair("aws_llama/tp1_layer1", "aws_llama/tp2_layer1", 10.1, timeout=300)
     assert row.verdict == "equivalent", row.note
     assert row.ranks == 2 and row.total >= row.imported > 0 and row.peak_mib > 0 and row.terms > 0
     cells = row.cells()
