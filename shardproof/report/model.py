@@ -15,7 +15,9 @@ class Site:
     code: str
     op: str
     rank: int | None = None
-    node: str = ""  # the graph node's name: in an imported dump, its own variable (when the line is a library's)
+    # the graph node's name: in an imported dump, its variable (to find an op whose line is a
+    # library's); not part of the site's identity (a traced name depends on how the graph was split)
+    node: str = field(default="", compare=False)
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
