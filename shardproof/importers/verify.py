@@ -96,10 +96,9 @@ def verify_graphs(
         if proof.verdict == "equivalent":
             break
     proof, captured, choice = first
-    unrecorded = _unrecorded(pair.pairs, choice)
-    if proof.verdict == "discrepancy" and unrecorded:
-        message = f"{proof.finding.message} (not confirmed: it may hold only for some values of the constants)"
-        proof.finding = replace(proof.finding, verdict="unknown", message=message)
+    if proof.verdict == "discrepancy" and _unrecorded(pair.pairs, choice):
+        unsure = "(not confirmed: it may hold only for some values of the constants)"
+        proof.findings = [replace(f, verdict="unknown", message=f"{f.message} {unsure}") for f in proof.findings]
     elif proof.verdict == "discrepancy":
         progress("confirming the discrepancy on random inputs")
         numbers = lambda: run_graphs(captured.reference, captured.ranks, pair.checks)  # noqa: E731

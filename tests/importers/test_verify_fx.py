@@ -88,6 +88,7 @@ SEQUENCE_PARALLEL_GRADIENTS = [
 def test_missing_layernorm_allreduce_is_found_at_the_weight_gradient() -> None:
     report = verify_graphs(*(ENTANGLE / side for side in LAYERNORM_BUG))
     assert report.verdict == "discrepancy" and report.diagnosis.startswith("missing reduction")
+    assert report.claims[0] == SEQUENCE_PARALLEL_GRADIENTS[0]  # input_layernorm.weight's gradient
     culprit = report.distributed[0]  # apex's layer-norm backward; the dump records torch's custom-op line for it
     assert culprit.node.startswith("fused_layer_norm_affine_bwd") and culprit.op == "sum"
     assert (Path(culprit.file).name, culprit.line) == ("custom_ops.py", 675)
