@@ -1021,8 +1021,10 @@ def _reduce(r: Rules, op: str, args, attrs, shape, dtype) -> int:
     x = args[0]
     root_shape = r.shape(r.as_region(x)[0])
     ones = [d for d in dims if root_shape[d] == 1]  # not a one-wide shard of a larger sum: that stays a piece
-    if ones and not keepdim:  # reducing a size-1 dim only drops it
-        squeezed = r.view(x, tuple(s for d, s in enumerate(r.shape(x)) if d not in ones))
+    if ones and not keepdim:  # reducing a size-1 dim only drops it, from the whole the region is cut from
+        root, box = r.as_region(x)
+        kept = [d for d in range(len(box)) if d not in ones]
+        squeezed = r.slice(r.view(root, tuple(root_shape[d] for d in kept)), tuple(box[d] for d in kept))
         rest = tuple(d - sum(o < d for o in ones) for d in dims if d not in ones)
         return r.build(op, (squeezed,), (rest, False), shape, dtype) if rest else squeezed
     if keepdim:

@@ -1073,6 +1073,18 @@ def test_reduce_over_unsliced_dims_of_a_slice(sb, data):
 
 
 @pytest.mark.parametrize("op", ["sum", "amax"])
+@pytest.mark.parametrize("keepdim", [False, True])
+def test_reduce_over_a_size_one_dim_and_an_unsliced_dim_of_a_slice(op, keepdim):
+    """Dropping the size-1 dim must not merge the sliced dim into the reduced one (found by
+    hypothesis: the squeeze read as a view of (1, 4) made the sum a piece of a larger sum)."""
+    b = Build()
+    x = b.leaf("x", (1, 2, 2))
+    y = b.op(op, b.box(x, ((0, 1), (0, 1), (0, 2))), attrs=((0, 2), keepdim))
+    b.check(y)
+    assert b.op_of(y) not in ("piece", "max_piece")
+
+
+@pytest.mark.parametrize("op", ["sum", "amax"])
 @SETTINGS
 @given(st.integers(2, 7), st.booleans(), st.data())
 def test_reduce_over_sliced_ranges_combined_over_ranks_is_the_whole(op, size, keepdim, data):
