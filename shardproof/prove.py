@@ -117,14 +117,15 @@ def _judged(
         unproven = unproven_outputs(run, reference, ranks, check, notes)
         if unproven:
             diagnoser = diagnoser or Diagnoser(run, reference, ranks)
-            findings.append(_about(check, diagnoser.diagnose(unproven)))
+            findings.append(_about(check, diagnoser.diagnose(unproven), named=len(checks) > 1))
     findings.sort(key=lambda f: f.verdict != "discrepancy")
     return Proof(findings, len(run.rules.u), notes, calls, [c.label for c in checks[checked:]])
 
 
-def _about(check: Check, finding: Finding) -> Finding:
-    """The finding as one about `check`; training checks say which loss, gradient or parameter."""
-    message = f"{check.label}: {finding.message}" if check.relation in ("loss", "rank") else finding.message
+def _about(check: Check, finding: Finding, named: bool) -> Finding:
+    """The finding as one about `check`, saying which claim failed (the output, loss, gradient or
+    parameter) when there is more than one, and always in training."""
+    message = f"{check.label}: {finding.message}" if named or check.relation in ("loss", "rank") else finding.message
     return replace(finding, claim=check.label, message=message)
 
 

@@ -90,6 +90,7 @@ class _Parser:
         self.declared: dict[str, torch.Tensor] = {}  # pytree placeholders declared as `name: "type"`
         self.locations = _locations(source)
         self.output_names: list[str] = []
+        self.joint = False  # an AOTAutograd joint forward + backward graph
 
     def fail(self, node: ast.AST, expected: str) -> GraphFileError:
         line = getattr(node, "lineno", 1)
@@ -106,6 +107,7 @@ class _Parser:
         forward = next((n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "forward"), None)
         if forward is None:
             raise GraphFileError(self.path, 1, "a `def forward(self, ...)` holding the graph", "none")
+        self.joint = [a.arg for a in forward.args.args[1:]] == ["primals", "tangents"]
         for arg in forward.args.args[1:]:
             if arg.annotation is not None:
                 self.placeholder(arg.arg, self.meta(arg.annotation, arg))
@@ -214,9 +216,21 @@ class _Parser:
             value = ast.List([value], ast.Load())
         if not isinstance(value, (ast.List, ast.Tuple)):
             raise self.fail(st, "`return [outputs]`")
-        kept = [e for e in value.elts if not (isinstance(e, ast.Constant) and e.value is None)]
-        self.output_names = [e.id if isinstance(e, ast.Name) else "" for e in kept]
-        self.graph.output([self.expr(e) for e in kept])
+        kept = [i for i, e in enumerate(value.elts) if not (isinstance(e, ast.Constant) and e.value is None)]
+        self.output_names = [e.id if isinstance(e, ast.Name) else "" for e in (value.elts[i] for i in kept)]
+        node = self.graph.output([self.expr(value.elts[i]) for i in kept])
+        gradient_of = self.gradients(len(value.elts))
+        node.meta["gradient_of"] = {k: gradient_of[i] for k, i in enumerate(kept) if i in gradient_of}
+
+    def gradients(self, outputs: int) -> dict[int, str]:
+        """Output position -> the input it is the gradient of. An AOTAutograd joint graph,
+        `forward(self, primals, tangents)`, returns the forward's outputs and then one gradient per
+        primal in order (None for a primal that needs none)."""
+        if not self.joint:
+            return {}
+        primals = [n.meta["dump_name"] for n in self.graph.nodes if n.op == "placeholder" and n.meta["dump_name"].startswith("primals")]
+        start = outputs - len(primals)
+        return {start + k: name for k, name in enumerate(primals)} if start >= 0 else {}
 
 
 def _tuple_values(graph: fx.Graph) -> None:

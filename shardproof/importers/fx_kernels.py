@@ -63,7 +63,8 @@ class DumpLowerer(Lowerer):
         super().__init__(
             types.SimpleNamespace(graph=graph), names, _locate, [], lambda g: groups[g], rank if world_size > 1 else None
         )
-        self.imported = ImportedGraph(self.graph, path, output_names=output_names)
+        gradient_of = next(n for n in graph.nodes if n.op == "output").meta.get("gradient_of", {})
+        self.imported = ImportedGraph(self.graph, path, output_names=output_names, gradient_of=gradient_of)
 
     def run(self) -> ImportedGraph:
         super().run()

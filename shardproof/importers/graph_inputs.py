@@ -28,6 +28,7 @@ class ImportedGraph:
     inputs: list[GraphInput] = field(default_factory=list)
     output_names: list[str] = field(default_factory=list)
     labels: dict[str, str] = field(default_factory=dict)  # input name -> a parameter name the dump records
+    gradient_of: dict[int, str] = field(default_factory=dict)  # output position -> the input it is the gradient of
 
     def add_input(self, name: str, shape: tuple[int, ...], dtype: str, constant: bool = False) -> int:
         node = self.graph.add("leaf", (), (name,), tuple(shape), dtype, name)

@@ -169,8 +169,7 @@ def _outputs(ref: ImportedGraph, dist: ImportedGraph, n: int) -> tuple[list[int]
             layout = ("shard", dims[0])
         else:
             raise CaseError(f"{dist.path}: output {i} {list(local)} is no replica or shard of the reference's {list(full)}")
-        name = ref.output_names[i] if i < len(ref.output_names) else ""
-        checks.append(Check(f"output {i}" + (f" ({name})" if name else ""), position, position, layout))
+        checks.append(Check(_output_label(ref, i), position, position, layout))
     return indices, checks
 
 
@@ -180,3 +179,11 @@ def _restricted(graph: Graph, outputs: list[int]) -> Graph:
 
 def _elements(graph: Graph) -> int:
     return sum(math.prod(n.shape) for n in graph.nodes)
+
+
+def _output_label(graph: ImportedGraph, i: int) -> str:
+    """`output 3 (add_24)`, or what it is when the dump says: `gradient of `ln.weight` (output 3, add_24)`."""
+    name = graph.output_names[i] if i < len(graph.output_names) else ""
+    if i in graph.gradient_of:
+        return f"gradient of `{graph.label(graph.gradient_of[i])}` (output {i}" + (f", {name})" if name else ")")
+    return f"output {i}" + (f" ({name})" if name else "")

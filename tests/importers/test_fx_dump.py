@@ -185,6 +185,27 @@ def test_source_lines_come_from_file_comments(tmp_path: Path) -> None:
     assert ("/src/model.py", 11, "h = rms_norm(x)") in located
 
 
+JOINT = '''
+class GraphModule(torch.nn.Module):
+    def forward(self, primals, tangents):
+        primals_1: "f32[3]"; primals_2: "f32[3]"; tangents_1: "f32[3]"
+
+        primals_1, primals_2, tangents_1, = fx_pytree.tree_flatten_spec([primals, tangents], self._in_spec)
+        mul: "f32[3]" = torch.ops.aten.mul.Tensor(primals_1, primals_2)
+        mul_1: "f32[3]" = torch.ops.aten.mul.Tensor(tangents_1, primals_1)
+        return pytree.tree_unflatten([mul, primals_1, None, mul_1], self._out_spec)
+'''
+
+
+def test_a_joint_graph_says_which_outputs_are_gradients_of_which_primals(tmp_path: Path) -> None:
+    """AOTAutograd returns the forward's outputs, then one gradient per primal (None: not needed)."""
+    path = tmp_path / "joint.py"
+    path.write_text(JOINT)
+    imported = load_fx(str(path), 0, 1)
+    assert imported.output_names == ["mul", "primals_1", "mul_1"]
+    assert imported.gradient_of == {2: "primals_2"}
+
+
 CONSTANTS = '''
 class GraphModule(torch.nn.Module):
     def forward(self, ids: "i64[5]", table: "f32[8, 3]"):

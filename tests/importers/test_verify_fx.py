@@ -78,17 +78,23 @@ def test_gradient_accumulation_bug_is_a_confirmed_wrong_scale(tmp_path: Path) ->
 LAYERNORM_BUG = ("bug_missing_layernorm_allreduce/tp1", "bug_missing_layernorm_allreduce/tp2.bug")
 # The gradients Megatron all-reduces over the tensor-parallel group under sequence parallelism,
 # which this bug leaves unreduced: input, q, k and pre-MLP layer norms, the row-parallel biases.
-SEQUENCE_PARALLEL_GRADIENTS = [
-    "output 26 (add_24)", "output 27 (add_25)", "output 29 (add_15)", "output 32 (add_19)", "output 33 (add_20)",
-    "output 34 (add_17)", "output 35 (add_18)", "output 36 (add_13)", "output 37 (add_14)", "output 41 (add_8)",
+LAYER = "module.module.decoder.layers.0."
+SEQUENCE_PARALLEL_GRADIENTS = [  # named by the parameters the dump logs; the joint graph returns one gradient per primal
+    f"gradient of `{LAYER}{name}` (output {i}, {node})" for name, i, node in [
+        ("input_layernorm.weight", 26, "add_24"), ("input_layernorm.bias", 27, "add_25"),
+        ("self_attention.linear_proj.bias", 29, "add_15"), ("self_attention.q_layernorm.weight", 32, "add_19"),
+        ("self_attention.q_layernorm.bias", 33, "add_20"), ("self_attention.k_layernorm.weight", 34, "add_17"),
+        ("self_attention.k_layernorm.bias", 35, "add_18"), ("pre_mlp_layernorm.weight", 36, "add_13"),
+        ("pre_mlp_layernorm.bias", 37, "add_14"), ("mlp.linear_fc2.bias", 41, "add_8"),
+    ]
 ]  # fmt: skip
 
 
 @needs_data
 def test_missing_layernorm_allreduce_is_found_at_the_weight_gradient() -> None:
     report = verify_graphs(*(ENTANGLE / side for side in LAYERNORM_BUG))
-    assert report.verdict == "discrepancy" and report.diagnosis.startswith("missing reduction")
-    assert report.claims[0] == SEQUENCE_PARALLEL_GRADIENTS[0]  # input_layernorm.weight's gradient
+    assert report.verdict == "discrepancy" and report.claims[0] == SEQUENCE_PARALLEL_GRADIENTS[0]
+    assert report.diagnosis.startswith(f"{SEQUENCE_PARALLEL_GRADIENTS[0]}: missing reduction")
     culprit = report.distributed[0]  # apex's layer-norm backward; the dump records torch's custom-op line for it
     assert culprit.node.startswith("fused_layer_norm_affine_bwd") and culprit.op == "sum"
     assert (Path(culprit.file).name, culprit.line) == ("custom_ops.py", 675)
