@@ -1,4 +1,4 @@
-"""A light tracer for plain-tensor code (the checkpoint loader): aten ops into an FX graph.
+"""A light tracer for plain-tensor code (the checkpoint loader, forward programs): aten ops into an FX graph.
 
 make_fx spends ~0.5 ms per op on proxies and stack traces; a loader slicing 126 layers issues
 ~1,200 ops per rank, so tracing it dominated capture. Here a dispatch mode records each aten op
@@ -45,9 +45,13 @@ class NotPlain(Exception):
     """The code handled a tensor subclass; only make_fx traces those faithfully."""
 
 
+Decompositions = dict[Any, Callable[..., Any]]  # aten op -> python function of smaller ops
+
+
 class _Recorder(TorchDispatchMode):
-    def __init__(self, graph: fx.Graph, root: torch.nn.Module, entry: FrameType) -> None:
+    def __init__(self, graph: fx.Graph, root: torch.nn.Module, entry: FrameType, decompositions: Decompositions) -> None:
         super().__init__()
+        self.decompositions = decompositions
         self.graph = graph
         self.root = root
         self.entry = entry  # frames from here outwards are not the traced code's
@@ -87,6 +91,10 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        decomposed = self.decompositions.get(func)
+        if decomposed is not None:
+            with self:  # the mode is off inside its own handler: record the smaller ops
+                return decomposed(*args, **kwargs)
         if not _computes(func):
             return func(*args, **kwargs)
         node = self.graph.call_function(func, self.nodes_in(args), self.nodes_in(kwargs))
@@ -95,15 +103,20 @@ class _Recorder(TorchDispatchMode):
         where = self.where()
         if where:
             node.meta["stack_trace"] = where
-        if isinstance(out, torch.Tensor):
-            self.bind(out, node)
-        elif isinstance(out, (tuple, list)):
-            for i, item in enumerate(out):
-                if isinstance(item, torch.Tensor):
+        self.bind_all(out, node)
+        return out
+
+    def bind_all(self, value: Any, node: fx.Node) -> None:
+        """Bind the tensors of an op's output, nested lists through getitem nodes as make_fx
+        does (an in-place collective returns the tensors it wrote: later reads see the write)."""
+        if isinstance(value, torch.Tensor):
+            self.bind(value, node)
+        elif isinstance(value, (tuple, list)):
+            for i, item in enumerate(value):
+                if isinstance(item, (torch.Tensor, tuple, list)):
                     item_node = self.graph.call_function(operator.getitem, (node, i))
                     item_node.meta["val"] = item
-                    self.bind(item, item_node)
-        return out
+                    self.bind_all(item, item_node)
 
     def where(self) -> str:
         """The innermost frame of the traced code outside torch and shardproof, as make_fx writes it."""
@@ -119,27 +132,36 @@ class _Recorder(TorchDispatchMode):
 
 @functools.lru_cache(maxsize=None)
 def _computes(func: Any) -> bool:
-    """Ops returning tensors or writing into their arguments; not metadata queries (prim.device)."""
+    """Ops returning tensors, writing into their arguments or returning nothing (called for their
+    effect: markers, asserts); not metadata queries (prim.device)."""
     schema = func._schema
     writes = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
-    return writes or any("Tensor" in str(r.type) for r in schema.returns)
+    return writes or not schema.returns or any("Tensor" in str(r.type) for r in schema.returns)
 
 
-def record(fn: Callable[..., list[torch.Tensor]], inputs: list[torch.Tensor]) -> tuple[Traced, list[torch.Tensor]]:
-    """Run `fn(*inputs)` (`inputs` fake), recording its ops: (graph, its outputs as fake tensors).
+def record(
+    fn: Callable[..., list[torch.Tensor]],
+    inputs: list[torch.Tensor],
+    before_retry: Callable[[], None] = lambda: None,
+    decompositions: Decompositions | None = None,
+) -> tuple[Traced, list[torch.Tensor]]:
+    """Run `fn(*inputs)` (`inputs` fake), recording its ops (`decompositions` broken into smaller
+    ones, as make_fx's table does): (graph, its outputs as fake tensors).
 
     It runs on meta tensors, outside fake mode, several times faster; code that meta tensors
-    cannot run (a constant made on the cpu, say) runs again under fake mode."""
+    cannot run (a constant made on the cpu, say) runs again under fake mode, after `before_retry`
+    (which undoes what the failed run left behind)."""
     try:
         with unset_fake_temporarily():
             twins = [_twin(t, "meta") for t in inputs]
-            gm, outputs = _record(fn, twins)
+            gm, outputs = _record(fn, twins, decompositions or {})
         device = inputs[0].device if inputs else "cpu"
         return gm, [_twin(t, device) for t in outputs]
-    except ShardproofError:
+    except (ShardproofError, NotPlain):
         raise
     except Exception:  # noqa: BLE001 - not meta-friendly code: record it on fake tensors
-        return _record(fn, inputs)
+        before_retry()
+        return _record(fn, inputs, decompositions or {})
 
 
 def _twin(tensor: torch.Tensor, device: str | torch.device) -> torch.Tensor:
@@ -149,9 +171,11 @@ def _twin(tensor: torch.Tensor, device: str | torch.device) -> torch.Tensor:
     return twin.requires_grad_(tensor.requires_grad)
 
 
-def _record(fn: Callable[..., list[torch.Tensor]], inputs: list[torch.Tensor]) -> tuple[Traced, list[torch.Tensor]]:
+def _record(
+    fn: Callable[..., list[torch.Tensor]], inputs: list[torch.Tensor], decompositions: Decompositions
+) -> tuple[Traced, list[torch.Tensor]]:
     graph, root = fx.Graph(), torch.nn.Module()
-    recorder = _Recorder(graph, root, sys._getframe())
+    recorder = _Recorder(graph, root, sys._getframe(), decompositions)
     for i, tensor in enumerate(inputs):
         placeholder = graph.placeholder(f"arg{i}")
         placeholder.meta["val"] = tensor

@@ -192,23 +192,41 @@ def _trace(
     loader: Callable | None = None,
 ) -> Graph:
     """Trace `fn` (after `loader`, which maps the leaves to `fn`'s arguments) into IR; with `model`,
-    its repeated submodules' calls are traced once. The loader is plain slicing code run once per
-    rank: it is recorded by the light tracer where it handles plain tensors only."""
-    loaded, arguments = None, leaves
-    if loader is not None:
-        try:
-            loaded, arguments = _failing_as_capture_error(f"tracing {what}", lambda: record(loader, leaves))
-        except NotPlain:  # a loader handling DTensors: traced with make_fx, as part of `fn`
-            fn = _after(loader, fn)
+    its repeated submodules' calls are traced once. A program without gradients is recorded whole
+    by the light tracer where it handles plain tensors only; otherwise the loader is, where it
+    can be, and make_fx traces the rest."""
 
-    def trace() -> Traced | fx.GraphModule:
-        gm = _trace_fx(what, fn, arguments)
-        return gm if loaded is None else chain(loaded, gm)
+    def trace(restart: Callable[[], None]) -> Traced | fx.GraphModule:
+        whole = fn if loader is None else _after(loader, fn)
+        gm = None if program.differentiates else _recorded(what, whole, leaves, restart)
+        return gm or _loaded_then_fx(what, fn, leaves, loader)
 
     def lower(gm: Traced | fx.GraphModule, names: list[str], ops: list[str]) -> Graph:
         return Lowerer(gm, names, locator(gm), ops, _group_ranks, rank).run()
 
     return trace_with_memo(model, reduce_ops, trace, leaf_names, lower, program.differentiates)
+
+
+def _loaded_then_fx(what: str, fn: Callable, leaves: list, loader: Callable | None) -> Traced | fx.GraphModule:
+    """`fn` traced with make_fx, after `loader` recorded by the light tracer where it can be."""
+    if loader is None:
+        return _trace_fx(what, fn, leaves)
+    try:
+        loaded, arguments = _failing_as_capture_error(f"tracing {what}", lambda: record(loader, leaves))
+    except NotPlain:  # a loader handling DTensors: traced with make_fx, as part of `fn`
+        return _trace_fx(what, _after(loader, fn), leaves)
+    return chain(loaded, _trace_fx(what, fn, arguments))
+
+
+def _recorded(what: str, fn: Callable, leaves: list, restart: Callable[[], None]) -> Traced | None:
+    """A program without gradients, by the light tracer (~10x cheaper per op than make_fx: a
+    126-layer model's calls and loader dominated capture); None where it handles tensor
+    subclasses, after `restart`: make_fx traces those."""
+    try:
+        return _failing_as_capture_error(f"tracing {what}", lambda: record(fn, leaves, restart, _DECOMPOSED)[0])
+    except NotPlain:
+        restart()
+        return None
 
 
 def _trace_fx(what: str, fn: Callable, leaves: list) -> fx.GraphModule:

@@ -88,8 +88,18 @@ def tensor_key(tensor: torch.Tensor) -> Hashable | None:
     )
 
 
-def module_key(module: nn.Module) -> Hashable | None:
-    """Code and non-tensor state of a module tree; None if any part of it has hooks."""
+def module_key(module: nn.Module, known: dict[int, Hashable] | None = None) -> Hashable | None:
+    """Code and non-tensor state of a module tree; None if any part of it has hooks. `known`
+    caches the keys of subtrees by module id (for one unchanged tree)."""
+    if known is not None and id(module) in known:
+        return known[id(module)]
+    key = _module_key(module, known)
+    if known is not None:
+        known[id(module)] = key
+    return key
+
+
+def _module_key(module: nn.Module, known: dict[int, Hashable] | None) -> Hashable | None:
     if any(getattr(module, name) for name in _HOOKS):
         return None
     attrs = []
@@ -99,7 +109,7 @@ def module_key(module: nn.Module) -> Hashable | None:
         attrs.append((name, value_key(value)))
     children = []
     for name, child in module.named_children():
-        key = module_key(child)
+        key = module_key(child, known)
         if key is None:
             return None
         children.append((name, key))

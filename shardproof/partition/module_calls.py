@@ -170,34 +170,48 @@ class CallMemo:
                 _TEMPLATES[region_id] = Template(region.module, graph, locate(enter))
             return lower(gm, leaf_names, self.reduce_ops)
         finally:
-            for region in self.regions.values():
-                _TEMPLATES.pop(region.id, None)
-                _OUTPUTS.pop(region.id, None)
-            for site in self.sites:
-                _SITES.pop(site, None)
+            self.forget()
+
+    def forget(self) -> None:
+        """Drop every call recorded so far (the trace starts over, or is done)."""
+        for region in self.regions.values():
+            _TEMPLATES.pop(region.id, None)
+            _OUTPUTS.pop(region.id, None)
+        for site in self.sites:
+            _SITES.pop(site, None)
+        self.regions.clear()
+        self.sites.clear()
+
+
+Tracer = Callable[[Callable[[], None]], Traced | fx.GraphModule]  # given a restart hook, the traced graph
 
 
 def trace_with_memo(
-    root: nn.Module | None,
-    reduce_ops: list[str],
-    trace: Callable[[], Traced | fx.GraphModule],
-    leaf_names: list[str],
-    lower: Lower,
-    gradients: bool,
+    root: nn.Module | None, reduce_ops: list[str], trace: Tracer, leaf_names: list[str], lower: Lower, gradients: bool
 ) -> Graph:
     """Trace with repeated module calls of `root` reused (None: plain trace), then lower to IR.
 
-    `gradients`: the traced function differentiates (then calls that gradients flow through are
-    traced every time). A kind whose first call turns out to read outside values is excluded and
-    the trace redone."""
-    if root is None:
-        return lower(trace(), leaf_names, reduce_ops)
-    excluded: set[Hashable] = set()
+    `trace` calls its argument before it runs the function again in the same trace (a tracer that
+    gave up halfway): that forgets the calls and collectives recorded so far. `gradients`: the
+    traced function differentiates (then calls that gradients flow through are traced every
+    time). A kind whose first call turns out to read outside values is excluded and the trace redone."""
     recorded_before = len(reduce_ops)
-    while True:
+
+    def forget_collectives() -> None:
         del reduce_ops[recorded_before:]
+
+    if root is None:
+        return lower(trace(forget_collectives), leaf_names, reduce_ops)
+    excluded: set[Hashable] = set()
+    while True:
+        forget_collectives()
         with CallMemo(root, reduce_ops, gradients, excluded) as memo:
-            gm = trace()
+
+            def restart() -> None:
+                forget_collectives()
+                memo.forget()
+
+            gm = trace(restart)
         try:
             return memo.lower(gm, leaf_names, lower)
         except Impure as impure:
@@ -206,7 +220,8 @@ def trace_with_memo(
 
 def repeated_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
     """Submodules (not the root) with at least one structural twin: candidates for reuse."""
-    keyed = [(name, module, module_key(module)) for name, module in root.named_modules() if module is not root]
+    keys: dict[int, Hashable] = {}  # id(module) -> its key, each subtree keyed once
+    keyed = [(name, module, module_key(module, keys)) for name, module in root.named_modules() if module is not root]
     counts: dict[Hashable, int] = {}
     for _, _, key in keyed:
         if key is not None:
