@@ -14,6 +14,7 @@ from shardproof.capture.torch_capture import Captured, capture
 from shardproof.case import Case, load_case, normalize_output
 from shardproof.errors import UnsupportedOp
 from shardproof.findings import combined, confirmed, failing_claims
+from shardproof.gc_tuning import fewer_collections
 from shardproof.ir.graph import Graph, Node
 from shardproof.oracle import run_numeric
 from shardproof.partition.backends import placement
@@ -63,6 +64,13 @@ def verify(
         case.use_preset(preset)
     n = world_size or case.world_size
     mode = case.resolve_mode(train, step)
+    with fewer_collections():
+        return _verify(case, n, mode, progress, backend, ray_address, memo)
+
+
+def _verify(
+    case: Case, n: int, mode: str, progress: Callable[[str], None], backend: str, ray_address: str | None, memo: bool
+) -> Report:
     start = time.perf_counter()
     try:
         captured = capture(case, n, progress, mode, memo, placement(backend, case, n, memo, ray_address))

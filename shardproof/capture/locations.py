@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import re
 import sys
 import traceback
@@ -128,8 +129,12 @@ def user_frame(err: Exception) -> str:
 def locate(node: fx.Node) -> Location | None:
     """The innermost frame outside torch itself: the user's line that produced this op."""
     trace = node.meta.get("stack_trace")
-    if not trace:
-        return None
+    return _innermost_user_frame(trace) if trace else None
+
+
+@functools.lru_cache(maxsize=4096)
+def _innermost_user_frame(trace: str) -> Location | None:
+    """Cached: the ops of one line share its stack trace (a loader's slices, 126 times over)."""
     frames = [m for m in _FRAME.finditer(trace) if not m["file"].startswith(NOT_USER_CODE)]
     if not frames:
         return None

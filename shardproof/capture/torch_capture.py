@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch._decomp import get_decompositions
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -139,35 +139,61 @@ def _trace_reference(session: _Session, memo: bool) -> Graph:
 
 def _trace_rank(session: _Session, rank: int, bound: list[torch.Tensor], memo: bool) -> tuple[Graph, Trained]:
     """The rank's graph (its checkpoint loader, then its model, over the reference's leaves) and what
-    its run says about its parameters."""
+    its run says about its parameters.
+
+    A forward program first tries its model built on meta tensors, recorded by the light tracer
+    only: fake tensors cost ~6x more to make, and a 126-layer model makes ~800 parameters per rank.
+    That model's own tensors are replaced by the loaded ones, so the graph is the same; where it is
+    not usable as it is (a tensor constant without a value, code that needs fake tensors, tensor
+    subclasses), the model is built again on fake tensors and traced as always."""
     program, world_size = session.program, session.world_size
     with _process_group(rank, world_size):
+        if program.loads_separately and not program.differentiates:
+            try:
+                return _trace_loaded(session, rank, memo, on_meta=True), Trained()
+            except (ShardproofError, NotPlain):
+                pass
+        if program.loads_separately:
+            return _trace_loaded(session, rank, memo, on_meta=False), Trained()
         model = _build(f"distributed({rank}, {world_size})", lambda: session.case.distributed(rank, world_size))
-        memo_model = model if memo else None
+        runs: list[Trained] = []  # make_fx traces tensors only: the rest of a run's result is kept here
+
+        def run_rank(*args: torch.Tensor) -> list[torch.Tensor]:
+            outputs, trained = program.rank(model, *session.unpack(args), rank, world_size, list(args[len(session.tensors) :]))
+            runs.append(trained)
+            return outputs
+
+        names = session.names + [f"{BOUND_LEAF_PREFIX}{i}" for i in program.bound]
         with _recorded_reduce_ops() as reduce_ops:
-            if program.loads_separately:
+            traced = _trace(f"rank {rank}", run_rank, session.tensors + bound, names, reduce_ops, rank, model if memo else None, program)
+        return traced, runs[-1]
 
-                def load(*args: torch.Tensor) -> list[torch.Tensor]:
-                    return program.load(model, *session.unpack(args), rank, world_size)
 
-                def run_loaded(*loaded: torch.Tensor) -> list[torch.Tensor]:
-                    return program.run_loaded(model, list(loaded))
+def _trace_loaded(session: _Session, rank: int, memo: bool, on_meta: bool) -> Graph:
+    """A rank program that loads its state, then runs its model; `on_meta`: the model built on meta
+    tensors and the program recorded by the light tracer alone (any failure raises)."""
+    program, world_size = session.program, session.world_size
 
-                what, names = f"rank {rank}", session.names
-                return _trace(what, run_loaded, session.tensors, names, reduce_ops, rank, memo_model, program, load), \
-                    Trained()
+    def build() -> torch.nn.Module:
+        return session.case.distributed(rank, world_size)
 
-            runs: list[Trained] = []  # make_fx traces tensors only: the rest of a run's result is kept here
+    model = _build(f"distributed({rank}, {world_size})", (lambda: _on_meta(build)) if on_meta else build)
 
-            def run_rank(*args: torch.Tensor) -> list[torch.Tensor]:
-                outputs, trained = program.rank(model, *session.unpack(args), rank, world_size,
-                                                list(args[len(session.tensors) :]))
-                runs.append(trained)
-                return outputs
+    def load(*args: torch.Tensor) -> list[torch.Tensor]:
+        return program.load(model, *session.unpack(args), rank, world_size)
 
-            names = session.names + [f"{BOUND_LEAF_PREFIX}{i}" for i in program.bound]
-            leaves = session.tensors + bound
-            return _trace(f"rank {rank}", run_rank, leaves, names, reduce_ops, rank, memo_model, program), runs[-1]
+    def run_loaded(*loaded: torch.Tensor) -> list[torch.Tensor]:
+        return program.run_loaded(model, list(loaded))
+
+    with _recorded_reduce_ops() as reduce_ops:
+        return _trace(f"rank {rank}", run_loaded, session.tensors, session.names, reduce_ops, rank, model if memo else None,
+                      program, load, light_only=on_meta)
+
+
+def _on_meta(build: Callable[[], Any]) -> Any:
+    """`build()` with factory functions making meta tensors, outside fake mode."""
+    with unset_fake_temporarily(), torch.device("meta"):
+        return build()
 
 
 # Composite backward and optimizer ops, broken into the primitive ops the rules know.
@@ -190,6 +216,7 @@ def _trace(
     model: torch.nn.Module | None,
     program: Program,
     loader: Callable | None = None,
+    light_only: bool = False,
 ) -> Graph:
     """Trace `fn` (after `loader`, which maps the leaves to `fn`'s arguments) into IR; with `model`,
     its repeated submodules' calls are traced once. A program without gradients is recorded whole
@@ -198,13 +225,17 @@ def _trace(
 
     def trace(restart: Callable[[], None]) -> Traced | fx.GraphModule:
         whole = fn if loader is None else _after(loader, fn)
-        gm = None if program.differentiates else _recorded(what, whole, leaves, restart)
+        gm = None if program.differentiates else _recorded(what, whole, leaves, _give_up if light_only else restart)
         return gm or _loaded_then_fx(what, fn, leaves, loader)
 
     def lower(gm: Traced | fx.GraphModule, names: list[str], ops: list[str]) -> Graph:
         return Lowerer(gm, names, locator(gm), ops, _group_ranks, rank).run()
 
     return trace_with_memo(model, reduce_ops, trace, leaf_names, lower, program.differentiates)
+
+
+def _give_up() -> None:
+    raise CaptureError("the light tracer alone cannot trace this program")
 
 
 def _loaded_then_fx(what: str, fn: Callable, leaves: list, loader: Callable | None) -> Traced | fx.GraphModule:

@@ -119,10 +119,10 @@ class Lowerer:
         return obj  # process groups, reduce ops: consumed by collective lowerings
 
     def constant_tensor(self, tensor: torch.Tensor) -> int:
-        """A tensor baked into the graph; a fake one only has a value if fake mode kept it."""
+        """A tensor baked into the graph; a fake one only has a value if fake mode kept it, a meta one never."""
         real = getattr(tensor, "constant", None)
         real = tensor if real is None and not _is_fake(tensor) else real
-        if real is None:
+        if real is None or real.is_meta:
             users = list(self.current.users) if self.current is not None else []
             raise UnsupportedOp(
                 "a tensor constant whose value fake tensors do not know (a tensor attribute made in "

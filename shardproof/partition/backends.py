@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator
 from shardproof.capture.torch_capture import capture_ranks
 from shardproof.case import Case, load_case
 from shardproof.errors import CaseError
+from shardproof.gc_tuning import fewer_collections
 from shardproof.ir.graph import Graph
 from shardproof.partition.fingerprint import value_key
 
@@ -72,7 +73,8 @@ def load_spec(spec: CaseSpec) -> Case:
 
 def trace_share(spec: CaseSpec, world_size: int, ranks: list[int], memo: bool) -> list[Graph]:
     """A worker's task: its ranks' graphs."""
-    return capture_ranks(load_spec(spec), world_size, ranks, memo)
+    with fewer_collections():
+        return capture_ranks(load_spec(spec), world_size, ranks, memo)
 
 
 RankTracer = Callable[[list[int]], Iterator[Graph]]
