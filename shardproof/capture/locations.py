@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
+import typing_extensions
 from torch.fx.experimental.proxy_tensor import PythonKeyTracer
 from torch.fx.proxy import _register_stack_trace_anchor
 
@@ -28,7 +29,9 @@ from shardproof.case import unwrapped
 from shardproof.ir.graph import Location
 
 _TORCH_DIR = str(Path(torch.__file__).parent)
-NOT_USER_CODE = (_TORCH_DIR, str(Path(__file__).parents[1]))  # torch's files and shardproof's own
+# torch's files, shardproof's own, and typing_extensions (its `deprecated` wrapper sits between a
+# user's line and torch's deprecated collectives: make_fx drops it, the light tracer must too)
+NOT_USER_CODE = (_TORCH_DIR, str(Path(__file__).parents[1]), typing_extensions.__file__)
 _FORWARD_SEQ = "shardproof_seq_nr"  # meta key: the autograd sequence number a forward op was given
 _GRAD_OF = "shardproof_grad_of"  # meta key: the sequence number of the forward op a backward formula differentiates
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\n\s*(?P<code>[^\n]*)')
