@@ -20,10 +20,12 @@ YOUNG_THRESHOLD = 50_000
 @contextlib.contextmanager
 def fewer_collections() -> Iterator[None]:
     before = gc.get_threshold()
+    frozen_by_caller = gc.get_freeze_count() > 0  # a caller's own freeze (before forking, say) stays
     gc.freeze()
     gc.set_threshold(YOUNG_THRESHOLD, *before[1:])
     try:
         yield
     finally:
         gc.set_threshold(*before)
-        gc.unfreeze()
+        if not frozen_by_caller:
+            gc.unfreeze()

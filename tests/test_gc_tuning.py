@@ -24,3 +24,13 @@ def test_settings_restored_and_cycles_collected() -> None:
         assert alive() is None
     assert gc.get_threshold() == before
     assert gc.get_freeze_count() == 0
+
+
+def test_a_callers_freeze_stays() -> None:
+    gc.freeze()
+    try:
+        with fewer_collections():
+            pass
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
