@@ -109,6 +109,7 @@ class _Session:
     state_names: list[str]
     tensors: list[torch.Tensor]  # the reference's state, then its inputs
     names: list[str]
+    model_on_meta: bool  # `model` was built on meta tensors (see `_reference`)
 
     def unpack(self, args: tuple) -> tuple[dict[str, torch.Tensor], tuple]:
         count = len(self.state_names)
@@ -121,20 +122,61 @@ def _session(case: Case, world_size: int, mode: str) -> Iterator[_Session]:
         anchor_user_code(case.source_functions, case.source.parent)
     with FakeTensorMode(allow_non_fake_inputs=True):
         with _process_group(0, world_size):
-            ref_model = _build("reference()", case.reference)
-            ref_state = module_state(ref_model)
+            ref_model, ref_state, on_meta = _reference(case, mode)
             ref_inputs = tuple(_build("inputs()", case.inputs))
         program = program_for(case, ref_model, mode)
         names = [f"state:{n}" for n in ref_state] + [f"input:{i}" for i in range(len(ref_inputs))]
-        yield _Session(case, world_size, program, ref_model, list(ref_state), [*ref_state.values(), *ref_inputs], names)
+        tensors = [*ref_state.values(), *ref_inputs]
+        yield _Session(case, world_size, program, ref_model, list(ref_state), tensors, names, on_meta)
+
+
+def _reference(case: Case, mode: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor], bool]:
+    """The reference model and its state as fake tensors: the leaves of every graph. A forward
+    program's model is built on meta tensors where its state is plain, and the leaves are fake
+    tensors of the same metadata and aliasing (half the cost of fake parameters; the model's own
+    tensors are replaced by the leaves when it runs); see `_trace_reference` for the way back."""
+    model = _meta_reference(case) if mode == "forward" else None
+    if model is not None:
+        fakes: dict[int, torch.Tensor] = {}
+        return model, {name: fakes.setdefault(id(t), _fake_like(t)) for name, t in module_state(model).items()}, True
+    model = _build("reference()", case.reference)
+    return model, module_state(model), False
+
+
+def _meta_reference(case: Case) -> torch.nn.Module | None:
+    """The reference built on meta tensors, or None if it cannot be or holds tensor subclasses."""
+    try:
+        model = _build("reference()", lambda: _on_meta(case.reference))
+    except ShardproofError:
+        return None
+    plain = all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in module_state(model).values())
+    return model if plain else None
+
+
+def _fake_like(tensor: torch.Tensor) -> torch.Tensor:
+    fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype)
+    return fake.requires_grad_(tensor.requires_grad)
 
 
 def _trace_reference(session: _Session, memo: bool) -> Graph:
-    def run_reference(*args: torch.Tensor) -> list[torch.Tensor]:
-        return session.program.reference(session.model, *session.unpack(args))
+    """The reference's graph; a model built on meta tensors is recorded by the light tracer alone,
+    and built again on fake tensors where that fails."""
 
-    model = session.model if memo else None
-    return _trace("the reference model", run_reference, session.tensors, session.names, [], None, model, session.program)
+    def trace(model: torch.nn.Module, light_only: bool) -> Graph:
+        def run_reference(*args: torch.Tensor) -> list[torch.Tensor]:
+            return session.program.reference(model, *session.unpack(args))
+
+        return _trace("the reference model", run_reference, session.tensors, session.names, [], None,
+                      model if memo else None, session.program, light_only=light_only)
+
+    if not session.model_on_meta:
+        return trace(session.model, light_only=False)
+    try:
+        return trace(session.model, light_only=True)
+    except (ShardproofError, NotPlain):
+        with _process_group(0, session.world_size):
+            model = _build("reference()", session.case.reference)
+        return trace(model, light_only=False)
 
 
 def _trace_rank(session: _Session, rank: int, bound: list[torch.Tensor], memo: bool) -> tuple[Graph, Trained]:
