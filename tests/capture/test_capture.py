@@ -410,3 +410,31 @@ def test_into_tensor_collectives_fill_the_buffer_as_flat_memory(body: Callable, 
     sent = [inputs[0] * leaves["state:weight"] + rank for rank in range(world_size)]
     for rank, outputs in enumerate(_run(captured.ranks, leaves)):
         torch.testing.assert_close(outputs[0], flat_semantics(sent, rank))
+
+
+class _CpuOffset(nn.Module):
+    """Makes a cpu tensor whatever device its input is on: meta tensors cannot run it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + torch.ones(4, device="cpu")
+
+
+def test_models_that_need_fake_tensors_are_built_again_on_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forward program is first tried on models built on meta tensors; where that fails, the
+    reference and every rank are built again on fake tensors and proven as before."""
+    import shardproof.capture.torch_capture as torch_capture
+    from shardproof import verify
+    from shardproof.oracle import run_numeric
+
+    built: list[str] = []
+    build = torch_capture._build
+    monkeypatch.setattr(torch_capture, "_build", lambda what, fn: (built.append(what), build(what, fn))[1])
+    case = Case(_CpuOffset, lambda rank, world_size: _CpuOffset(), lambda: (torch.randn(2, 4),), 2)
+    report = verify(case, world_size=2, backend="none")
+    assert report.verdict == "equivalent"
+    assert run_numeric(case, 2).agree
+    assert built == ["reference()", "inputs()", "reference()"] + [f"distributed({r}, 2)" for r in (0, 1) for _ in "ab"]
