@@ -409,12 +409,17 @@ class Rules:
         return self.literal("view", (x,), (), shape, term.dtype)
 
     def _view_cat(self, x: int, shape: tuple[int, ...]) -> int | None:
-        """A reshape that merges or splits other dims and leaves the cat dim alone (its own group)
+        """A reshape that merges the cat dim of one-row-deep parts with the next dim reshapes
+        their cat along that next dim. A reshape that merges or splits other dims and leaves the cat dim alone (its own group)
         reshapes each part the same way. Reshapes that only add or drop size-1 dims stay outside:
         broadcasts carry those."""
         term = self.u[x]
         dim = term.attrs[0]
         groups = reshape_groups(term.shape, shape) or []
+        if any(dim in src and dim + 1 in src for src, _ in groups) and all(self.shape(p)[dim] == 1 for p in term.args):
+            # parts one row deep stacked along `dim` lie in memory as the parts joined along the next dim
+            # (a batch of one all-gathered on dim 0, then flattened with the sequence it shards)
+            return self.view(self.cat(list(term.args), dim + 1), shape)
         alone = [dst for src, dst in groups if src == [dim] and len(dst) == 1]
         if not alone or all(len(src) <= 1 and len(dst) <= 1 for src, dst in groups):
             return None

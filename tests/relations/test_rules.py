@@ -266,6 +266,20 @@ def test_view_of_cat_keeping_the_cat_dim_is_a_cat_of_views():
     assert v.term == b.cat([b.view(x, (6, 4)), b.view(y, (6, 2))], 1).term
 
 
+def test_view_merging_the_cat_dim_of_one_row_parts_joins_them_along_the_next_dim():
+    """Sequence shards of a batch of one gathered on dim 0, then flattened with the sequence: the
+    whole sequence flattened (and any one-row parts: their join along the next dim)."""
+    b = Build()
+    x = b.leaf("x", (1, 8, 3))
+    gathered = b.view(b.cat([b.sl(x, 1, 0, 4), b.sl(x, 1, 4, 8)], 0), (8, 3))
+    b.check(gathered)
+    assert gathered.term == b.view(x, (8, 3)).term
+    p, q = b.leaf("p", (1, 2, 3)), b.leaf("q", (1, 2, 3))
+    stacked = b.view(b.cat([p, q], 0), (4, 3))
+    b.check(stacked)
+    assert stacked.term == b.view(b.cat([p, q], 1), (4, 3)).term
+
+
 def test_all_gather_of_column_shards_is_the_whole():
     """The matmul output sharded over columns, gathered back: the reference's term."""
     b = Build()
