@@ -1,6 +1,6 @@
 """Layout algebra on boxes (per-dimension [lo, hi) ranges): how slices move through reshapes.
 
-Pure functions on shapes and integers; the rules in `rules.py` use them to pull a slice out of a
+Pure functions on shapes and integers; the rules in `rules/` use them to pull a slice out of a
 view, so that a rank's `view(slice(Q, heads r), ...)` and the reference's `view(Q, ...)` meet.
 """
 

@@ -2,7 +2,7 @@
 
 Every tensor of the reference and of every rank is described by a term over the same leaves (the
 reference state and inputs). Terms are built only through the normalizing constructors in
-`rules.py`, so two programs that compute the same value the same way up to the rewrite rules
+`rules/`, so two programs that compute the same value the same way up to the rewrite rules
 get the very same term id: equality of values is checked by comparing integers.
 """
 

@@ -1,0 +1,101 @@
+"""Elementwise ops: they commute with slices, concatenations, broadcasts and reshapes of all their
+operands, and fold on constants where that is exact. The fallback of the more specific rules.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import TYPE_CHECKING
+
+import torch
+
+from shardproof.ir.ops import run_op
+from shardproof.relations.layout import box_along, box_shape
+from shardproof.relations.rules.regions import cat_bounds
+
+if TYPE_CHECKING:
+    from shardproof.relations.rules.core import Rules
+
+
+# Ops whose value on constants is exact in floating point: folding them changes no value.
+_EXACT_ON_CONSTANTS = {"abs", "maximum", "minimum", "logical_not", "logical_and", "logical_or", "lt", "le", "gt", "ge",
+                       "eq", "ne", "convert"}
+
+
+def elementwise(r: Rules, op: str, args: tuple[int, ...], attrs: tuple, shape: tuple[int, ...], dtype: str) -> int:
+    """Elementwise ops commute with slices, concatenation and broadcasting of all their operands."""
+    values = [r.full_value(a) for a in args]
+    if op in _EXACT_ON_CONSTANTS and None not in values:  # e.g. lerp's `|weight| >= 0.5` on a constant weight
+        exact = [torch.tensor(float(v) if isinstance(v, Fraction) else v) for v in values]
+        return r.const(("full", run_op(op, exact, attrs).item()), shape, dtype)
+    for a in args:
+        for root, box in r.regions(a):
+            if root == a:
+                continue
+            global_shape = r.shape(root)
+            roots = [r.region_like(b, box, global_shape) for b in args]
+            if None not in roots:
+                return r.slice(r.build(op, tuple(roots), attrs, global_shape, dtype), box)
+    for a in args:
+        term = r.u[a]
+        if term.op == "cat":
+            dim, bounds = term.attrs[0], cat_bounds(r, a)
+            parts = []
+            for lo, hi in bounds:
+                box = box_along(shape, dim, lo, hi)
+                sub = tuple(r.slice(b, box) for b in args)
+                parts.append(r.build(op, sub, attrs, box_shape(box), dtype))
+            return r.cat(parts, dim)
+    bases = [r.u[a] for a in args]
+    if bases and all(b.op == "bcast" for b in bases) and len({b.attrs[0] for b in bases}) == 1:
+        dims = bases[0].attrs[0]
+        inner = r.build(op, tuple(b.args[0] for b in bases), attrs, tuple(shape[d] for d in dims), dtype)
+        return r.bcast(inner, shape, dims)
+    for a in args:
+        source = _viewed_from(r, a)
+        inner = [_unview(r, b, source) for b in args] if source is not None else [None]
+        if None not in inner:
+            return r.view(r.build(op, tuple(inner), attrs, source, dtype), shape)
+    if op in _COMMUTATIVE:
+        args = tuple(sorted(args))  # a * b and b * a are one term
+    return r.literal(op, args, attrs, shape, dtype)
+
+
+_COMMUTATIVE = {"mul", "maximum", "minimum", "logical_and", "logical_or", "eq", "ne"}
+
+
+def _viewed_from(r: Rules, t: int) -> tuple[int, ...] | None:
+    """The shape `t` was reshaped from, if its normal form is a view (inside lin and piece)."""
+    term = r.u[t]
+    if term.op == "view":
+        return r.shape(term.args[0])
+    if term.op in ("lin", "piece"):
+        return _viewed_from(r, term.args[0])
+    return None
+
+
+def _unview(r: Rules, t: int, shape: tuple[int, ...]) -> int | None:
+    """A term X of `shape` with view(X) == t, if the normal form shows one."""
+    term = r.u[t]
+    if term.op == "view" and r.shape(term.args[0]) == shape:
+        return term.args[0]
+    if term.op == "full":
+        return r.literal("full", (), term.attrs, shape, term.dtype)
+    if term.op in ("lin", "piece"):
+        inner = [_unview(r, a, shape) for a in term.args]
+        if None in inner:
+            return None
+        if term.op == "lin":
+            return r.lin(list(zip(inner, term.attrs[0])))
+        return r.piece(inner[0], *term.attrs)
+    return None
+
+
+def unary(r: Rules, op: str, args, attrs, shape, dtype) -> int:
+    if op == "neg":
+        return r.scale(args[0], -1)
+    return elementwise(r, op, args, attrs, shape, dtype)
+
+
+def add(r: Rules, args, attrs, shape, dtype) -> int:
+    return r.lin([(args[0], Fraction(1)), (args[1], Fraction(1))])

@@ -1,0 +1,147 @@
+"""Linear structure: the constructors of linear combinations (`lin`), of pieces of a sum split over
+ranks (`piece`) and of a max split over ranks (`max_piece`, `maximum`). A part of `Rules`: it
+reaches the layout constructors through `self`.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import Any, Callable
+
+from shardproof.relations.layout import box_along
+from shardproof.relations.rules.regions import cat_bounds
+from shardproof.relations.rules.values import FLOAT_DTYPES, is_finite_number
+
+
+class LinearRules:
+    """Sums, scales, pieces and max pieces of `Rules`."""
+
+    def lin(self, pairs: list[tuple[int, Fraction]]) -> int:
+        coefs: dict[int, Fraction] = {}
+        for t, c in pairs:
+            term = self.u[t]
+            inner_pairs = zip(term.args, term.attrs[0]) if term.op == "lin" else [(t, Fraction(1))]
+            for inner, ic in inner_pairs:
+                inner, ic = self._unit_constant(inner, ic)
+                coefs[inner] = coefs.get(inner, Fraction(0)) + Fraction(c) * ic
+        coefs = self._merge_pieces({t: c for t, c in coefs.items() if c != 0})
+        items = sorted(coefs.items())
+        if not items:
+            first = pairs[0][0]
+            return self.literal("full", (), (0.0,), self.shape(first), self.u[first].dtype)
+        if len(items) == 1 and items[0][1] == 1:
+            return items[0][0]
+        only, c = items[0]
+        if len(items) == 1 and self.full_value(only) == 1 and self.u[only].dtype in FLOAT_DTYPES:
+            return self.literal("full", (), (c,), self.shape(only), self.u[only].dtype)  # a scaled constant is a constant
+        by_parts = self._lin_of_cats(items)
+        if by_parts is not None:
+            return by_parts
+        first = self.u[items[0][0]]
+        return self.literal("lin", tuple(t for t, _ in items), (tuple(c for _, c in items),), first.shape, first.dtype)
+
+    def _lin_of_cats(self, items: list[tuple[int, Fraction]]) -> int | None:
+        """A sum of concatenations along one dim (and constants) is the concatenation of the sums of
+        their parts, cut at every part boundary: flat gradient buffers summed over ranks become the
+        per-parameter sums, where pieces of one contraction meet and merge."""
+        cats = [self.u[t] for t, _ in items if self.u[t].op == "cat"]
+        if not cats:
+            return None
+        dim = cats[0].attrs[0]
+        if any(self.u[t].op != "full" and (self.u[t].op != "cat" or self.u[t].attrs[0] != dim) for t, _ in items):
+            return None
+        shape = cats[0].shape
+        cuts = sorted({0, shape[dim]} | {end for t, _ in items if self.u[t].op == "cat" for _, end in cat_bounds(self, t)})
+        parts = []
+        for lo, hi in zip(cuts, cuts[1:]):
+            box = box_along(shape, dim, lo, hi)
+            parts.append(self.lin([(self.slice(t, box), c) for t, c in items]))
+        return self.cat(parts, dim)
+
+    def _unit_constant(self, t: int, c: Fraction) -> tuple[int, Fraction]:
+        """c * full(v) is (v*c) * full(1): constants of one shape merge into one term."""
+        term = self.u[t]
+        if term.op == "full" and is_finite_number(term.attrs[0]) and term.attrs[0] != 1:
+            one = self.literal("full", (), (1.0 if term.dtype in FLOAT_DTYPES else 1,), term.shape, term.dtype)
+            return one, c * Fraction(term.attrs[0])
+        return t, c
+
+    def _merge_pieces(self, coefs: dict[int, Fraction]) -> dict[int, Fraction]:
+        """Pieces of one sum whose ranges tile the whole axis add up to the sum itself."""
+        groups: dict[tuple, list[tuple[int, int, int]]] = {}
+        for t, c in coefs.items():
+            term = self.u[t]
+            if term.op == "piece":
+                axis, lo, hi, size = term.attrs
+                groups.setdefault((term.args[0], axis, size, c), []).append((lo, hi, t))
+        for (full, axis, size, c), ranges in groups.items():
+            for run in _adjacent_runs(ranges):
+                for _, _, t in run:
+                    del coefs[t]
+                merged = self.piece(full, axis, run[0][0], run[-1][1], size)
+                coefs[merged] = coefs.get(merged, Fraction(0)) + c
+        return coefs
+
+    def piece(self, full: int, axis: Any, lo: int, hi: int, size: int) -> int:
+        """The part of the sum `full` whose summation index along `axis` lies in [lo, hi)."""
+        if (lo, hi) == (0, size):
+            return full
+        term = self.u[full]
+        return self.literal("piece", (full,), (axis, lo, hi, size), term.shape, term.dtype)
+
+    def max_piece(self, full: int, axis: Any, lo: int, hi: int, size: int) -> int:
+        """The max `full` takes over the indices [lo, hi) of the reduced `axis` only (one rank's max
+        over its shard). Max pieces combine by a max (see `maximum`), never by a sum."""
+        if (lo, hi) == (0, size):
+            return full
+        term = self.u[full]
+        return self.literal("max_piece", (full,), (axis, lo, hi, size), term.shape, term.dtype)
+
+    def maximum(self, parts: list[int]) -> int:
+        """The elementwise max of `parts` (a MAX all-reduce): equal terms collapse, and max pieces
+        whose ranges tile their axis are the max over the whole axis."""
+        operands = set(parts)
+        groups: dict[tuple, list[tuple[int, int, int]]] = {}
+        for t in operands:
+            term = self.u[t]
+            if term.op == "max_piece":
+                axis, lo, hi, size = term.attrs
+                groups.setdefault((term.args[0], axis, size), []).append((lo, hi, t))
+        for (full, axis, size), ranges in groups.items():
+            for run in _adjacent_runs(ranges):
+                operands -= {t for _, _, t in run}
+                operands.add(self.max_piece(full, axis, run[0][0], run[-1][1], size))
+        result, *rest = sorted(operands)
+        for t in rest:
+            result = self.build("maximum", (result, t), (), self.shape(result), self.u[result].dtype)
+        return result
+
+    def _map_parts(self, x: int, f: Callable[[int], int], shape: tuple[int, ...]) -> int:
+        """Apply a layout map (it moves elements) through lin, piece and max_piece."""
+        term = self.u[x]
+        if term.op == "max_piece":
+            return self.max_piece(f(term.args[0]), *term.attrs)
+        return self._map_linear(x, f, shape)
+
+    def _map_linear(self, x: int, f: Callable[[int], int], shape: tuple[int, ...]) -> int:
+        """Apply a linear map through `lin` and `piece`."""
+        term = self.u[x]
+        if term.op == "lin":
+            return self.lin([(f(t), c) for t, c in zip(term.args, term.attrs[0])])
+        axis, lo, hi, size = term.attrs
+        return self.piece(f(term.args[0]), axis, lo, hi, size)
+
+    def scale(self, x: int, factor: Any) -> int:
+        return self.lin([(x, Fraction(factor))])
+
+
+def _adjacent_runs(ranges: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
+    """The runs of two or more (lo, hi, term) whose ranges follow each other without gap or overlap."""
+    ranges = sorted(ranges)
+    runs: list[list[tuple[int, int, int]]] = [[ranges[0]]]
+    for r in ranges[1:]:
+        if r[0] == runs[-1][-1][1]:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    return [run for run in runs if len(run) > 1]

@@ -1,0 +1,145 @@
+"""Boolean masks: logical ops fold on known operands, a bool mask times numbers is a `where`, and
+range tests `ids < lo | ids >= hi` (and `lo <= ids < hi`) are recognized in their usual spellings
+for the lookup and one-hot rules.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from shardproof.relations.rules.elementwise import elementwise
+
+if TYPE_CHECKING:
+    from shardproof.relations.rules.core import Rules
+
+
+def times_mask(r: Rules, args: tuple[int, int], shape, dtype) -> int | None:
+    """x * mask (a bool mask times numbers) is where(not mask, 0, x): the masked-out form the
+    vocab-parallel lookup rule reads, as vLLM spells its shifted ids `mask * (ids - offset)`."""
+    for i, a in enumerate(args):
+        if r.u[a].dtype == "bool" and dtype != "bool":
+            other = args[1 - i]
+            zero = r.const(("full", 0), shape, dtype)
+            return r.build("where", (r.build("logical_not", (a,), (), shape, "bool"), zero, other), (), shape, dtype)
+    return None
+
+
+def assuming(r: Rules, t: int, cond: int, value: bool) -> int:
+    """`t` where it is read, when `cond` has `value` there: where(cond, a, b) inside t (through
+    sums) is a or b. So ids - where(outside, 0, start) in the inside branch is ids - start."""
+    term = r.u[t]
+    if term.op == "where" and term.args[0] == cond:
+        return term.args[1] if value else term.args[2]
+    if term.op == "lin" and any(r.op(a) == "where" for a in term.args):
+        return r.lin([(assuming(r, a, cond, value), c) for a, c in zip(term.args, term.attrs[0])])
+    return t
+
+
+def logical(r: Rules, op: str, args, attrs, shape, dtype) -> int:
+    """and/or/not with a known operand fold; not(not m) is m; `x >= a and x < b` with a >= b is
+    the empty range (vLLM's added-vocabulary mask when nothing was added)."""
+    if op == "logical_not":
+        inner = r.u[args[0]]
+        if inner.op == "logical_not":
+            return inner.args[0]
+        known = r.full_value(args[0])
+        if isinstance(known, bool):
+            return r.const(("full", not known), shape, "bool")
+        return elementwise(r, op, args, attrs, shape, dtype)
+    absorbing = op == "logical_or"  # or(m, True) is True; and(m, False) is False
+    for i, a in enumerate(args):
+        known = r.full_value(a)
+        if isinstance(known, bool):
+            return r.const(("full", absorbing), shape, "bool") if known == absorbing else args[1 - i]
+    if op == "logical_and" and _empty_range(r, args):
+        return r.const(("full", False), shape, "bool")
+    return elementwise(r, op, args, attrs, shape, dtype)
+
+
+def _empty_range(r: Rules, args: tuple[int, ...]) -> bool:
+    bounds = [_compare_const(r, a) for a in args]
+    if None in bounds or bounds[0][0] != bounds[1][0]:
+        return False
+    limits = {op: value for _, op, value in bounds}
+    return "ge" in limits and "lt" in limits and limits["ge"] >= limits["lt"]
+
+
+def outside_range(r: Rules, mask: int) -> tuple[int, int, int] | None:
+    """Recognize `ids < lo | ids >= hi` (in its usual spellings, perhaps reshaped) as (ids, lo, hi)."""
+    term = r.u[mask]
+    if term.op == "view":
+        inner = outside_range(r, term.args[0])
+        return None if inner is None else (r.view(inner[0], term.shape), *inner[1:])
+    if term.op == "logical_or" and len(term.args) == 2:
+        bounds = [_compare_const(r, a) for a in term.args]
+        if None in bounds:
+            return None
+        (x1, op1, v1), (x2, op2, v2) = bounds
+        if x1 != x2:
+            return None
+        limits = {op1: v1, op2: v2}
+        if "lt" in limits and "ge" in limits:
+            return x1, int(limits["lt"]), int(limits["ge"])
+    if term.op == "logical_not":
+        inner = r.u[term.args[0]]
+        if inner.op == "logical_and":
+            bounds = [_compare_const(r, a) for a in inner.args]
+            if None not in bounds and bounds[0][0] == bounds[1][0]:
+                limits = {b[1]: b[2] for b in bounds}
+                if "ge" in limits and "lt" in limits:
+                    return bounds[0][0], int(limits["ge"]), int(limits["lt"])
+    return None
+
+
+def _inside_range(r: Rules, mask: int) -> tuple[int, int, int] | None:
+    """Recognize `ids >= lo & ids < hi` (perhaps reshaped) as (ids, lo, hi)."""
+    term = r.u[mask]
+    if term.op == "view":
+        inner = _inside_range(r, term.args[0])
+        return None if inner is None else (r.view(inner[0], term.shape), *inner[1:])
+    if term.op != "logical_and" or len(term.args) != 2:
+        return None
+    bounds = [_compare_const(r, a) for a in term.args]
+    if None in bounds or bounds[0][0] != bounds[1][0]:
+        return None
+    limits = {b[1]: b[2] for b in bounds}
+    if "ge" in limits and "lt" in limits:
+        return bounds[0][0], int(limits["ge"]), int(limits["lt"])
+    return None
+
+
+def range_masks(r: Rules, t: int) -> list[tuple[int, tuple[int, int, int, bool]]]:
+    """The boolean terms inside `t` that test ids against a range: (mask, (ids, lo, hi, outside)),
+    outside True for `ids < lo | ids >= hi`, False for `lo <= ids < hi`."""
+    found, seen, stack = [], set(), [t]
+    while stack:
+        x = stack.pop()
+        if x in seen:
+            continue
+        seen.add(x)
+        term = r.u[x]
+        if term.dtype == "bool":
+            beyond = outside_range(r, x)
+            within = _inside_range(r, x)
+            if beyond is not None:
+                found.append((x, (*beyond, True)))
+            elif within is not None:
+                found.append((x, (*within, False)))
+        stack.extend(term.args)
+    return found
+
+
+def _compare_const(r: Rules, t: int) -> tuple[int, str, Any] | None:
+    term = r.u[t]
+    if term.op not in ("lt", "ge", "le", "gt") or len(term.args) != 2:
+        return None
+    value = r.full_value(term.args[1])
+    if value is None:
+        return None
+    op = {"le": "lt", "gt": "ge"}.get(term.op, term.op)
+    shift = 1 if term.op in ("le", "gt") else 0
+    return term.args[0], op, value + shift
+
+
+def keep_literal(r: Rules, op: str, args, attrs, shape, dtype) -> int:
+    return r.literal(op, args, attrs, shape, dtype)

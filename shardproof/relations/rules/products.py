@@ -1,0 +1,196 @@
+"""Products: mul, div and matmul, linear in each real operand, so scales move out of them and pieces
+distribute over them; matmul maps slices onto its free dims and a contraction over a sliced or
+concatenated dim becomes pieces or a sum of contractions.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from typing import TYPE_CHECKING
+
+from shardproof.relations.layout import Box, box_along
+from shardproof.relations.rules.elementwise import elementwise
+from shardproof.relations.rules.masks import times_mask
+from shardproof.relations.rules.one_hot import one_hot_times
+from shardproof.relations.rules.regions import cat_bounds
+from shardproof.relations.rules.values import FLOAT_DTYPES, is_finite_number
+
+if TYPE_CHECKING:
+    from shardproof.relations.rules.core import Rules
+
+
+def _common_factor(r: Rules, t: int) -> tuple[int, Fraction]:
+    """(u, c) with t = c * u, so that scales move out of products (a gradient averaged over a
+    data-parallel group is (1/dp) times the sum over its batch shard). A scaled term gives its
+    coefficient; a sum gives c > 0, the largest rational dividing every coefficient, which does
+    not depend on the order of the terms, so every rank's slice of a sum factors like the sum."""
+    term = r.u[t]
+    if term.op != "lin" or term.dtype not in FLOAT_DTYPES:  # integer lin truncates: no factoring
+        return t, Fraction(1)
+    coefs = term.attrs[0]
+    if len(coefs) == 1:
+        return term.args[0], coefs[0]
+    c = Fraction(math.gcd(*(k.numerator for k in coefs)), math.lcm(*(k.denominator for k in coefs)))
+    if c == 1:
+        return t, c
+    return r.lin([(a, k / c) for a, k in zip(term.args, coefs)]), c
+
+
+def _bilinear(r: Rules, op: str, args, attrs, shape, dtype) -> int | None:
+    """c*x (op) d*y = c*d * (x (op) y) for ops linear in each real operand (mul, matmul); not for
+    integers, where a fractional scale truncates."""
+    (x, c), (y, d) = (_common_factor(r, a) for a in args)
+    if c == 1 and d == 1:
+        return None
+    return r.scale(r.build(op, (x, y), attrs, shape, dtype), c * d)
+
+
+def mul(r: Rules, args, attrs, shape, dtype) -> int:
+    masked = times_mask(r, args, shape, dtype)
+    if masked is not None:
+        return masked
+    for i, a in enumerate(args):
+        value = r.full_value(a)
+        if is_finite_number(value) and dtype in FLOAT_DTYPES:
+            return r.scale(args[1 - i], value)
+    scaled = _bilinear(r, "mul", args, attrs, shape, dtype)
+    if scaled is not None:
+        return scaled
+    for i, a in enumerate(args):
+        other = args[1 - i]
+        if r.op(a) == "piece" and r.op(other) != "piece":
+            return r._map_linear(a, lambda t: r.build("mul", (t, other), attrs, shape, dtype), shape)
+    for i, a in enumerate(args):
+        flag = r.u[a]
+        if flag.op == "convert" and r.u[flag.args[0]].dtype == "bool":  # x * float(m) = where(m, x, 0)
+            zero = r.literal("full", (), (0.0,), shape, dtype)
+            return r.build("where", (flag.args[0], args[1 - i], zero), (), shape, dtype)
+    for i, a in enumerate(args):
+        absorbed = one_hot_times(r, a, args[1 - i], attrs, shape, dtype)
+        if absorbed is not None:
+            return absorbed
+    return elementwise(r, "mul", args, attrs, shape, dtype)
+
+
+def div(r: Rules, args, attrs, shape, dtype) -> int:
+    value = r.full_value(args[1])
+    if is_finite_number(value) and value != 0 and dtype in FLOAT_DTYPES:
+        return r.scale(args[0], Fraction(1) / Fraction(value))
+    (x, c), (y, d) = (_common_factor(r, a) for a in args)
+    if c != 1 or d != 1:
+        return r.scale(r.build("div", (x, y), attrs, shape, dtype), c / d)
+    return elementwise(r, "div", args, attrs, shape, dtype)
+
+
+def matmul(r: Rules, op: str, args, attrs, shape, dtype) -> int:
+    a, b = args
+    ta = r.u[a]
+    if ta.op == "permute" and ta.attrs[0][-1] == len(ta.shape) - 1 and len(r.shape(b)) == 2:
+        inner = ta.args[0]  # rows permuted, contraction dim in place: permute the product instead
+        product = r.build(op, (inner, b), attrs, r.shape(inner)[:-1] + shape[-1:], dtype)
+        return r.permute(product, ta.attrs[0])
+    scaled = _bilinear(r, op, args, attrs, shape, dtype)
+    if scaled is not None:
+        return scaled
+    for i, t in enumerate((a, b)):
+        term = r.u[t]
+        other = args[1 - i]
+        if term.op == "piece" and r.op(other) != "piece":
+            return r._map_linear(
+                t, lambda x: r.build("matmul", (x, other) if i == 0 else (other, x), attrs, shape, dtype), shape
+            )
+    for i, t in enumerate((a, b)):
+        term = r.u[t]
+        free_dim = len(shape) - 2 + i
+        if term.op == "cat" and term.attrs[0] == len(term.shape) - 2 + i:
+            parts = []
+            for p in term.args:
+                pair = (p, b) if i == 0 else (a, p)
+                out_shape = list(shape)
+                out_shape[free_dim] = r.shape(p)[term.attrs[0]]
+                parts.append(r.build("matmul", pair, attrs, tuple(out_shape), dtype))
+            return r.cat(parts, free_dim)
+    split = _split_contraction(r, a, b, attrs, shape, dtype)
+    if split is not None:
+        return split
+    return _matmul_slices(r, a, b, attrs, shape, dtype)
+
+
+def _split_contraction(r: Rules, a: int, b: int, attrs, shape, dtype) -> int | None:
+    """A contraction over a concatenation is the sum of the contractions over its parts:
+    cat(a1, a2) @ cat(b1, b2) = a1 @ b1 + a2 @ b2 (an operand that is not a cat is sliced at the
+    other's boundaries). Backward of a fused projection: the gradient of cat(gate, up) times the
+    fused weight."""
+    a_dim, b_dim = len(r.shape(a)) - 1, len(r.shape(b)) - 2
+    ta, tb = r.u[a], r.u[b]
+    a_cat = ta.op == "cat" and ta.attrs[0] == a_dim
+    b_cat = tb.op == "cat" and tb.attrs[0] == b_dim
+    if not (a_cat or b_cat):
+        return None
+    cats = [t for t, is_cat in ((a, a_cat), (b, b_cat)) if is_cat]
+    cuts = sorted({0, r.shape(a)[a_dim]} | {end for t in cats for _, end in cat_bounds(r, t)})
+    terms = []
+    for lo, hi in zip(cuts, cuts[1:]):
+        part_a = r.slice(a, box_along(r.shape(a), a_dim, lo, hi))
+        part_b = r.slice(b, box_along(r.shape(b), b_dim, lo, hi))
+        terms.append((r.build("matmul", (part_a, part_b), attrs, shape, dtype), Fraction(1)))
+    return r.lin(terms)
+
+
+def _matmul_slices(r: Rules, a: int, b: int, attrs, shape, dtype) -> int:
+    """Slices on free dims move to the output; equal slices of the contracted dim make a piece."""
+    ra, box_a = r.as_region(a)
+    rb, box_b = r.as_region(b)
+    if ra == a and rb == b:
+        return r.literal("matmul", (a, b), attrs, shape, dtype)
+    batch_differs = box_a[:-2] != box_b[:-2] or r.shape(ra)[:-2] != r.shape(rb)[:-2]
+    if len(shape) > 2 and len(r.shape(b)) > 2 and batch_differs:
+        ra, box_a, rb, box_b = _align_batch(r, a, ra, box_a, b, rb, box_b)
+    candidates = ([(ra, box_a, rb, box_b)] if _aligned(r, ra, box_a, rb, box_b) else []) + _aligned_regions(r, a, b)
+    if not candidates:
+        return r.literal("matmul", (a, b), attrs, shape, dtype)
+    ra, box_a, rb, box_b = candidates[0]
+    core = r.build("matmul", (ra, rb), attrs, r.shape(ra)[:-1] + r.shape(rb)[-1:], dtype)
+    for other in candidates[1:] if r.reference_size is not None and not r.in_reference(core) else ():
+        product = r.build("matmul", (other[0], other[2]), attrs, r.shape(other[0])[:-1] + r.shape(other[2])[-1:], dtype)
+        if r.in_reference(product):  # the product the reference computed, e.g. of its v, not of all of qkv
+            (ra, box_a, rb, box_b), core = other, product
+            break
+    sa = r.shape(ra)
+    out = r.slice(core, box_a[:-1] + box_b[-1:])
+    lo, hi = box_a[-1]
+    return r.piece(out, ("matmul", core), lo, hi, sa[-1])
+
+
+def _aligned(r: Rules, ra: int, box_a: Box, rb: int, box_b: Box) -> bool:
+    """Both regions share the batch and contract the same range of the same length."""
+    sa, sb = r.shape(ra), r.shape(rb)
+    if len(sb) > 2 and (len(sa) != len(sb) or sa[:-2] != sb[:-2] or box_a[:-2] != box_b[:-2]):
+        return False
+    return sa[-1] == sb[-2] and box_a[-1] == box_b[-2]
+
+
+def _aligned_regions(r: Rules, a: int, b: int) -> list[tuple[int, Box, int, Box]]:
+    """Regions of the operands that line up, also inside tensors the reference sliced out: a
+    rank's heads of q and of k, each a region of the reference's q and k from one fused qkv."""
+    return [
+        (ra, box_a, rb, box_b)
+        for ra, box_a in r.regions(a)
+        for rb, box_b in r.regions(b)
+        if (ra, rb) != (a, b) and _aligned(r, ra, box_a, rb, box_b)
+    ]
+
+
+def _align_batch(r: Rules, a: int, ra: int, box_a: Box, b: int, rb: int, box_b: Box) -> tuple[int, Box, int, Box]:
+    """Express the operand without a batch slice as a region with the other operand's batch box."""
+    for sliced, other in ((a, b), (b, a)):
+        other_root, other_box = r.as_region(other)
+        for root, box in r.regions(sliced):
+            if root == sliced:
+                continue
+            target = box[:-2] + other_box[-2:]
+            lifted = r.region_like(other, target, r.shape(root)[:-2] + r.shape(other_root)[-2:])
+            if lifted is not None:
+                return (root, box, lifted, target) if sliced == a else (lifted, target, root, box)
+    return ra, box_a, rb, box_b

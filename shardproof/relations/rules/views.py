@@ -1,0 +1,238 @@
+"""Reshapes: the constructor of views, which moves a reshape through slices, concatenations,
+broadcasts, permutes and batched matmuls so that layouts reaching one value by different reshapes
+meet. A part of `Rules`, kept apart for its size: it reaches the other constructors through `self`.
+"""
+
+from __future__ import annotations
+
+import math
+
+from shardproof.relations.layout import Box, box_shape, full_box, reshape_groups, view_of_box
+from shardproof.relations.rules.values import PARTS
+
+
+class ViewRules:
+    """The `view` constructor of `Rules`."""
+
+    def view(self, x: int, shape: tuple[int, ...]) -> int:
+        term = self.u[x]
+        shape = tuple(shape)
+        if term.shape == shape:
+            return x
+        if term.op == "view":
+            return self.view(term.args[0], shape)
+        if term.op in PARTS:
+            return self._map_parts(x, lambda t: self.view(t, shape), shape)
+        if term.op == "full":
+            return self.literal("full", (), term.attrs, shape, term.dtype)
+        if term.op == "bcast":
+            moved = self._view_bcast(x, shape)
+            if moved is not None:
+                return moved
+        if term.op == "slice":
+            root, region = term.args[0], term.attrs[0]
+        elif term.op == "cat":  # a cat may be a region too: a head range padded with zeros
+            root, region = self._cat_region(x)
+        else:
+            root, region = x, None
+        if root != x:
+            found = self._view_region(root, region, shape)
+            if found is None and term.op == "slice":
+                found = self._view_inner_slice(root, region, shape)
+            if found is not None:
+                return found
+        inserted = _inserted_ones(term.shape, shape)
+        if inserted is not None:
+            return self.bcast(x, shape, inserted)
+        if term.op == "cat":
+            moved = self._view_cat(x, shape)
+            if moved is not None:
+                return moved
+        if term.op == "permute":
+            moved = self._view_permute(x, shape)
+            if moved is not None:
+                return moved
+        if term.op == "matmul" and len(term.shape) == 2 and len(self.shape(term.args[1])) == 2 and shape[-1] == term.shape[-1]:
+            rows, inner = term.args
+            lifted = self.view(rows, shape[:-1] + self.shape(rows)[-1:])
+            return self.build("matmul", (lifted, inner), term.attrs, shape, term.dtype)
+        if term.op == "matmul" and len(term.shape) > 2 and len(shape) > 2 and shape[-2:] == term.shape[-2:]:
+            regrouped = self._view_matmul_batch(x, shape)
+            if regrouped is not None:
+                return regrouped
+        return self.literal("view", (x,), (), shape, term.dtype)
+
+    def _view_cat(self, x: int, shape: tuple[int, ...]) -> int | None:
+        """A reshape that merges the cat dim of one-row-deep parts with the next dim reshapes
+        their cat along that next dim. A reshape that merges or splits other dims and leaves the
+        cat dim alone (its own group) reshapes each part the same way. Reshapes that only add or
+        drop size-1 dims stay outside: broadcasts carry those."""
+        term = self.u[x]
+        dim = term.attrs[0]
+        groups = reshape_groups(term.shape, shape) or []
+        if any(dim in src and dim + 1 in src for src, _ in groups) and all(self.shape(p)[dim] == 1 for p in term.args):
+            # parts one row deep stacked along `dim` lie in memory as the parts joined along the next dim
+            # (a batch of one all-gathered on dim 0, then flattened with the sequence it shards)
+            return self.view(self.cat(list(term.args), dim + 1), shape)
+        alone = [dst for src, dst in groups if src == [dim] and len(dst) == 1]
+        if not alone or all(len(src) <= 1 and len(dst) <= 1 for src, dst in groups):
+            return None
+        out_dim = alone[0][0]
+        parts = []
+        for p in term.args:
+            part_shape = tuple(self.shape(p)[dim] if d == out_dim else s for d, s in enumerate(shape))
+            parts.append(self.view(p, part_shape))
+        return self.cat(parts, out_dim)
+
+    def _view_matmul_batch(self, x: int, shape: tuple[int, ...]) -> int | None:
+        """A reshape of only the batch dims of a batched matmul is that reshape of both operands'
+        batch dims (each batch entry is its own product), so (b*heads, s, s) attention scores
+        viewed as (b, heads, s, s) meet the reference's per-head products."""
+        term = self.u[x]
+        batch = term.shape[:-2]
+        operands = []
+        for a in term.args:
+            a_shape = self.shape(a)
+            if a_shape[:-2] != batch:
+                return None  # an operand broadcast over the batch: not reshaped alike
+            operands.append(self.view(a, shape[:-2] + a_shape[-2:]))
+        return self.build("matmul", tuple(operands), term.attrs, shape, term.dtype)
+
+    def _view_region(self, root: int, region: Box, shape: tuple[int, ...]) -> int | None:
+        """view(root[region]) as a region of a view of root, if the normal form has one."""
+        split = view_of_box(self.shape(root), region, shape, ones_split=True)
+        plain = view_of_box(self.shape(root), region, shape)
+        if split is not None and split != plain and self.reference_size is not None:
+            whole = self.view(root, split[0])  # built in the reference run it would count as the reference's
+            if self.in_reference(whole):
+                return self.slice(whole, split[1])
+        if plain is not None:
+            return self.slice(self.view(root, plain[0]), plain[1])
+        return None
+
+    def _view_inner_slice(self, root: int, region: Box, shape: tuple[int, ...]) -> int | None:
+        """view(X[box]) where the box restricts a dim that the reshape merges under an outer one
+        (the v columns [64:96] of fused per-head qkv, merged with the heads): no box of a view of
+        X is that, so X sliced on those inner dims alone stays a tensor of its own, Y, and the
+        rest of the box (a rank's heads) is a box of view(Y). The reference slices the same Y."""
+        root_shape = self.shape(root)
+        groups = reshape_groups(box_shape(region), shape)
+        if groups is None:
+            return None
+        inner = {d for gi, _ in groups if len(gi) > 1 for d in gi[1:] if region[d] != (0, root_shape[d])}
+        if not inner:
+            return None
+        inner_box = tuple(region[d] if d in inner else (0, s) for d, s in enumerate(root_shape))
+        held = self.literal("slice", (root,), (inner_box,), box_shape(inner_box), self.u[root].dtype)
+        outer_box = tuple((0, hi - lo) if d in inner else (lo, hi) for d, (lo, hi) in enumerate(region))
+        if outer_box == full_box(self.shape(held)):
+            return self.literal("view", (held,), (), shape, self.u[root].dtype)
+        found = view_of_box(self.shape(held), outer_box, shape)
+        return None if found is None else self.slice(self.view(held, found[0]), found[1])
+
+    def _view_permute(self, x: int, shape: tuple[int, ...]) -> int | None:
+        """view(permute(Y, p)) as permute(view(permute(Y, r)), q): r makes each merged group of
+        dims adjacent (groups in Y's order, the one holding Y's last dim kept last), so layouts
+        that reach the same merge through different transposes, like (seq, batch, hidden) and
+        (batch, seq, hidden) activations, meet in one normal form."""
+        term = self.u[x]
+        inner, perm = term.args[0], term.attrs[0]
+        groups = reshape_groups(term.shape, shape)
+        if groups is None or any(not gi or not gj for gi, gj in groups):
+            return None
+        last = len(perm) - 1
+        mapped = [([perm[d] for d in gi], gj) for gi, gj in groups]
+        ordered = sorted(mapped, key=lambda g: (last in g[0], min(g[0])))
+        order = tuple(d for dims, _ in ordered for d in dims)
+        middle_shape = tuple(shape[j] for _, gj in ordered for j in gj)
+        if order == tuple(range(len(perm))):
+            middle = self.view(inner, middle_shape)
+        else:
+            middle = self.literal("view", (self.permute(inner, order),), (), middle_shape, term.dtype)
+        position = {j: i for i, j in enumerate(j for _, gj in ordered for j in gj)}
+        return self.permute(middle, tuple(position[j] for j in range(len(shape))))
+
+    def _view_bcast(self, x: int, shape: tuple[int, ...]) -> int | None:
+        """Reshape a broadcast group by group. Groups of kept dims reshape the base (taking a
+        size-1 dim just before them along); a kept dim merged with broadcast dims after it, or a
+        kept size-1 dim followed by broadcast dims merged into one, is a repeat (GQA's repeat_kv);
+        other size-1 dims pair up in order."""
+        term = self.u[x]
+        kept = set(term.attrs[0])
+        groups = reshape_groups(term.shape, shape)
+        if groups is None:
+            return None
+        rows = {}  # destination dim -> the kept size-1 source dim it repeats
+        unpaired: list[int] = []  # size-1 source dims not yet paired with a size-1 destination
+        for gi, gj in groups:
+            if not gi:
+                unpaired = unpaired[1:]
+            elif not gj:
+                unpaired.append(gi[0])
+            else:
+                if len(gj) == 1 and not kept & set(gi) and unpaired and unpaired[-1] in kept:
+                    rows[gj[0]] = unpaired[-1]
+                unpaired = []
+        dims: list[int] = []
+        base_shape: list[int] = []
+        repeats: list[tuple[int, int]] = []
+        free_ones: list[int] = []
+        pending: list[int] = []  # size-1 source dims still to pair with size-1 destinations
+        for gi, gj in groups:
+            if not gi:
+                if pending:
+                    if pending.pop(0) in kept:
+                        dims.append(gj[0])
+                        base_shape.append(1)
+                else:
+                    free_ones.append(gj[0])
+                continue
+            if not gj:
+                if gi[0] not in rows.values():
+                    pending.append(gi[0])
+                continue
+            if kept & set(pending):
+                return None
+            pending.clear()
+            mine = [d for d in gi if d in kept]
+            if gj[0] in rows:
+                dims.append(gj[0])
+                base_shape.append(1)
+                repeats.append((gj[0], shape[gj[0]]))
+            elif not mine:
+                pass
+            elif mine == gi:
+                dims.extend(free_ones + gj)
+                base_shape.extend([1] * len(free_ones) + [shape[d] for d in gj])
+            elif mine == gi[:1] and len(gj) == 1:
+                dims.append(gj[0])
+                base_shape.append(term.shape[mine[0]])
+                repeats.append((gj[0], math.prod(term.shape[d] for d in gi[1:])))
+            else:
+                return None
+            free_ones.clear()
+        if kept & set(pending):
+            return None
+        base = self.view(term.args[0], tuple(base_shape))
+        inner_shape = list(shape)
+        for d, times in repeats:
+            inner_shape[d] //= times
+        out = self.bcast(base, tuple(inner_shape), tuple(dims))
+        for d, times in repeats:
+            out = self.repeat(out, d, times)
+        return out
+
+
+def _inserted_ones(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[int, ...] | None:
+    """Where src's dims sit in dst if dst is src with size-1 dims inserted (first fit)."""
+    dims, j = [], 0
+    for size in src:
+        while j < len(dst) and dst[j] != size:
+            if dst[j] != 1:
+                return None
+            j += 1
+        if j == len(dst):
+            return None
+        dims.append(j)
+        j += 1
+    return tuple(dims) if all(dst[k] == 1 for k in range(j, len(dst))) else None
