@@ -1,0 +1,25 @@
+"""What counts as still agreeing with the reference: terms built from its values by regions and
+linear structure alone, and the ops and terms that only move elements. Shared by the diagnoser and
+by the partitioned execution, which stops at the first call whose outputs no longer agree.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shardproof.relations.rules import Rules
+
+
+PIECES = {"piece", "max_piece"}  # one rank's part of a sum (or max) over ranks
+STRUCTURAL = {"slice", "cat", "bcast", "repeat", "lin", "full", "const", *PIECES}
+LAYOUT_OPS = {"view", "permute", "slice", "expand", "convert", "cat"}
+LAYOUT_TERMS = {"view", "permute", "slice", "bcast", "repeat"}  # normal-form terms that only move elements
+
+
+def grounded(rules: Rules, t: int, memo: dict[int, bool]) -> bool:
+    """Built from reference values by regions and linear structure only: still agreeing."""
+    if t not in memo:
+        term = rules.u[t]
+        memo[t] = rules.in_reference(t) or (term.op in STRUCTURAL and all(grounded(rules, a, memo) for a in term.args))
+    return memo[t]

@@ -1,0 +1,174 @@
+"""The `Diagnoser`: finds where a rank first parts ways with the reference and hands that op to the
+mixin of the kind of fault its value shows; it also holds what they share (which terms agree, which
+are partial, which op introduced a term).
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+from shardproof.ir.graph import Graph, Node
+from shardproof.ir.ops import OPS
+from shardproof.relations.diagnose.agreement import PIECES, grounded
+from shardproof.relations.diagnose.collectives import CollectiveFaults
+from shardproof.relations.diagnose.finding import Finding
+from shardproof.relations.diagnose.missing_reduction import MissingReductions
+from shardproof.relations.diagnose.shards import RankChunks
+from shardproof.relations.diagnose.wrong_layout import LayoutFaults
+from shardproof.relations.diagnose.wrong_scale import ScaleFaults
+from shardproof.relations.execute import Execution
+from shardproof.relations.rules import Rules
+from shardproof.relations.skipped import skipped_backward
+
+
+class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, LayoutFaults, RankChunks):
+    def __init__(self, run: Execution, reference: Graph, ranks: list[Graph]):
+        self.run = run
+        self.r: Rules = run.rules
+        self.reference = reference
+        self.ranks = ranks
+        self._grounded: dict[int, bool] = {}
+        self._ref_lins: dict[frozenset, int] = {}
+        for t in run.reference:
+            term = self.r.u[t]
+            if term.op == "lin":
+                self._ref_lins.setdefault(frozenset(term.args), t)
+
+    # --- what counts as still agreeing -------------------------------------------------------
+    def grounded(self, t: int) -> bool:
+        return grounded(self.r, t, self._grounded)
+
+    def region_of_reference(self, t: int) -> bool:
+        return self.r.in_reference(t) or any(self.r.in_reference(root) for root, _ in self.r.regions(t))
+
+    def partial(self, t: int) -> bool:
+        return bool(self.unreduced(t))
+
+    def partial_kind(self, terms: list[int]) -> str:
+        """How to name the unreduced value: a partial max when only max pieces are held."""
+        held = set().union(*(self.unreduced(t) for t in terms))
+        return "partial max" if {op for op, _ in held} == {"max_piece"} else "partial sum"
+
+    def unreduced(self, t: int) -> set[tuple]:
+        """The pieces (kind, axis and range) that `t` holds without their sum (or max) over ranks."""
+        term = self.r.u[t]
+        if term.op in PIECES:
+            return {(term.op, term.attrs)}
+        if term.op in ("lin", "slice", "bcast", "repeat"):
+            return set().union(*(self.unreduced(a) for a in term.args))
+        return set()
+
+    # --- entry --------------------------------------------------------------------------------------
+    def diagnose(self, mismatched_outputs: list[tuple[int, int]]) -> Finding:
+        """`mismatched_outputs`: (rank, output index) pairs whose value was not proven."""
+        divergence = self._first_divergence(mismatched_outputs)
+        if divergence is not None:
+            rank, node, chain = divergence
+            found = self._misassembled_input(rank, node) or self._mixing_reshape(rank, chain)
+            if found is not None:
+                return found
+            if OPS[node.op].kind == "collective":
+                return self._at_collective(rank, node)
+            # a partial sum consumed along the chain is a fault by itself; other divergences may
+            # be its consequences (a max's gradient through the unreduced sum, say)
+            consumer = next((n for n in chain if self._partial_inputs(rank, n)), None)
+            if consumer is None:
+                skipped = skipped_backward(self.run, self.reference, self.ranks[rank], chain)
+                if skipped is not None:
+                    step, ref_step, message = skipped
+                    return Finding("discrepancy", "missing backward step", message, [(rank, step)], [ref_step])
+            return self._at_op(rank, consumer or node)
+        rank, index = mismatched_outputs[0]
+        node = self.ranks[rank][self.ranks[rank].outputs[index]]
+        return self._at_output(rank, node)
+
+    def _bad(self, rank: int, node: Node) -> bool:
+        if node.op in ("leaf", "const"):
+            return False
+        t = self.run.ranks[rank][node.id]
+        collective = OPS[node.op].kind == "collective"
+        return not self.grounded(t) or (collective and not self.region_of_reference(t))
+
+    def _first_divergence(self, mismatched_outputs: list[tuple[int, int]]) -> tuple[int, Node, list[Node]] | None:
+        """The earliest op from which a chain of disagreeing ops reaches a mismatched output,
+        with that chain (in execution order).
+
+        Intermediates the reference never computes (a vocab mask, say) are fine as long as a
+        rule absorbs them before they reach an output."""
+        best: tuple[int, Node, list[Node]] | None = None
+        for rank, index in mismatched_outputs:
+            graph = self.ranks[rank]
+            start = graph[graph.outputs[index]]
+            if not self._bad(rank, start):
+                continue
+            seen, stack = {start.id}, [start]
+            while stack:
+                node = stack.pop()
+                for i in node.inputs:
+                    if i not in seen and self._bad(rank, graph[i]):
+                        seen.add(i)
+                        stack.append(graph[i])
+            chain = [graph[i] for i in sorted(seen)]
+            if best is None or (chain[0].id, rank) < (best[1].id, best[0]):
+                best = (rank, chain[0], chain)
+        return best
+
+    def _at_op(self, rank: int, node: Node) -> Finding:
+        partial_inputs = self._partial_inputs(rank, node)
+        if partial_inputs:
+            origin = self._piece_origin(rank, node)
+            return Finding(
+                "discrepancy",
+                "missing reduction",
+                f"missing reduction: a {self.partial_kind(partial_inputs)} (each rank holds only its share) reaches "
+                f"`{node.op}` without an all-reduce",
+                [(rank, origin), (rank, node)] if origin is not None else [(rank, node)],
+                op=node.op,
+            )
+        return self._wrong_operand(rank, node)
+
+    def _at_output(self, rank: int, node: Node) -> Finding:
+        t = self.run.ranks[rank][node.id]
+        term = self.r.u[t]
+        if self.partial(t):
+            return self._unreduced_output(rank, node)
+        parts = list(zip(term.args, term.attrs[0])) if term.op == "lin" else [(t, Fraction(1))]
+        miscounted = self._miscounted(parts)
+        if miscounted is not None:
+            extra, have, want = miscounted
+            culprit = self._introducing(rank, node, lambda x: self._scaled(x))
+            if OPS[culprit.op].kind == "collective":
+                repeated = self._double_reduction(rank, culprit)
+                if repeated is not None:
+                    return repeated
+            factor = have / want
+            message = f"wrong scale (x{factor}): {factor} times the reference value"
+            scaling = self._scaling_origin(rank, node, want)
+            if scaling is None:
+                return Finding("discrepancy", "wrong scale", message, [(rank, culprit)], scale=factor)
+            where = f"; each share of it is scaled by {scaling[1]} here, where the reference scales the whole by {want}"
+            return Finding("discrepancy", "wrong scale", message + where, [(rank, scaling[0]), (rank, culprit)], scale=factor)
+        return self._wrong_axis_finding(rank, node) or self._unexplained(rank, node)
+
+    # --- finding the line that introduced something ---------------------------------------------------
+    def _lin_args(self, t: int) -> tuple[int, ...]:
+        term = self.r.u[t]
+        return term.args if term.op == "lin" else ()
+
+    def _introducing(self, rank: int, node: Node, test) -> Node:
+        """The earliest ancestor of `node` on this rank whose value passes `test`."""
+        graph, terms = self.ranks[rank], self.run.ranks[rank]
+        for ancestor in graph.ancestors(node):
+            if ancestor.op not in ("leaf", "const") and test(terms[ancestor.id]):
+                return ancestor
+        return node
+
+    def _unexplained(self, rank: int, node: Node) -> Finding:
+        return Finding(
+            "unknown",
+            "unknown",
+            f"could not relate `{node.op}` on rank {rank} to the reference: no rule applies to its operands "
+            f"({', '.join(self.r.u.render(self.run.ranks[rank][i], 2) for i in node.inputs)})",
+            [(rank, node)],
+            op=node.op,
+        )

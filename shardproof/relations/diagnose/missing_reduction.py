@@ -1,0 +1,101 @@
+"""Missing reductions: a partial sum (or max) over ranks that reaches an op or an output without its
+all-reduce, and the op that created it. A part of `Diagnoser`.
+"""
+
+from __future__ import annotations
+
+from shardproof.ir.graph import Node
+from shardproof.ir.ops import OPS
+from shardproof.relations.diagnose.agreement import LAYOUT_OPS
+from shardproof.relations.diagnose.finding import Finding
+
+
+class MissingReductions:
+    """Partial sums reaching an op or an output unreduced."""
+
+    def _partial_inputs(self, rank: int, node: Node) -> list[int]:
+        """The terms of `node`'s operands that are partial sums (or maxes) over ranks."""
+        terms = self.run.ranks[rank]
+        return [terms[i] for i in node.inputs if self.partial(terms[i])]
+
+    def _unreduced_output(self, rank: int, node: Node) -> Finding:
+        """A partial sum reaches an output: where did it miss its reduction? Added to a sum that was
+        already reduced (a micro-batch accumulated after the all-reduce), reduced only as a copy the
+        program then drops (the all-reduce ran on another buffer), or never reduced at all."""
+        joined = self._added_after_reduction(rank, node)
+        if joined is not None:
+            join, collective = joined
+            return Finding(
+                "discrepancy",
+                "missing reduction",
+                f"missing reduction: this rank's share of a sum is added to a value already reduced by `{collective.op}` "
+                f"over ranks {list(collective.attrs[-1])}; the other ranks' shares of it never arrive",
+                [(rank, join), (rank, collective)],
+            )
+        for collective in reversed(self._partial_chain(rank, node)):
+            narrow = self._wrong_group(rank, collective)
+            if narrow is not None:
+                return narrow
+        copy = self._reduced_copy(rank, node)
+        if copy is not None:
+            return Finding(
+                "discrepancy",
+                "missing reduction",
+                f"missing reduction (wrong buffer): `{copy.op}` over ranks {list(copy.attrs[-1])} reduces a copy of this "
+                "value and its result is never used; the value used is each rank's own share",
+                [(rank, copy)],
+            )
+        origin = self._piece_origin(rank, node)
+        return Finding(
+            "discrepancy",
+            "missing reduction",
+            f"missing reduction: the output is still a {self.partial_kind([self.run.ranks[rank][node.id]])} (each rank "
+            "holds only its share); it needs an all-reduce",
+            [(rank, origin)] if origin is not None else [(rank, node)],
+        )
+
+    def _added_after_reduction(self, rank: int, node: Node) -> tuple[Node, Node] | None:
+        """The first `add` on the way to `node` of a partial sum that went through a collective and
+        one that never did, with that collective."""
+        chain = self._partial_chain(rank, node)
+        on_chain = {n.id for n in chain}
+        reduced_by: dict[int, Node] = {}
+        for n in chain:
+            if OPS[n.op].kind == "collective":
+                reduced_by[n.id] = n
+                continue
+            ins = [i for i in n.inputs if i in on_chain]
+            done = [reduced_by[i] for i in ins if i in reduced_by]
+            if done:
+                reduced_by[n.id] = done[0]
+                if n.op == "add" and len(done) < len(ins):
+                    return n, done[0]
+        return None
+
+    def _reduced_copy(self, rank: int, node: Node) -> Node | None:
+        """A collective whose input is a value on the way to `node` but whose result never reaches it."""
+        graph, terms = self.ranks[rank], self.run.ranks[rank]
+        chain_terms = {terms[n.id] for n in self._partial_chain(rank, node)}
+        used = {n.id for n in graph.ancestors(node)}
+        for n in graph.nodes:
+            if OPS[n.op].kind == "collective" and n.id not in used and terms[n.inputs[0]] in chain_terms:
+                return n
+        return None
+
+    def _piece_origin(self, rank: int, node: Node) -> Node | None:
+        """The op where the partial sum that reaches `node` unreduced was created (a contraction or
+        reduction over a shard): the earliest op of the chain of partial values ending at `node`.
+        Partial values reduced on the way (a row-parallel matmul before its all-reduce) are not it."""
+        origins = [n for n in self._partial_chain(rank, node) if n.op not in LAYOUT_OPS]
+        return origins[0] if origins else None
+
+    def _partial_chain(self, rank: int, node: Node) -> list[Node]:
+        """`node` and the ops whose partial values flow into it, in execution order."""
+        graph, terms = self.ranks[rank], self.run.ranks[rank]
+        chain, stack = {node.id}, [node]
+        while stack:
+            for i in stack.pop().inputs:
+                if i not in chain and self.partial(terms[i]):
+                    chain.add(i)
+                    stack.append(graph[i])
+        return [graph[i] for i in sorted(chain)]

@@ -1,0 +1,121 @@
+"""Shards: whether a rank holds its own chunk of a reference value, and the checkpoint loader's
+slice that cut the wrong one. A part of `Diagnoser`.
+"""
+
+from __future__ import annotations
+
+from shardproof.ir.graph import Node
+
+
+class RankChunks:
+    """Which chunk of a value a rank holds, and which line cut it."""
+
+    def _own_chunk(self, rank: int, dist_term: int, ref_term: int) -> bool:
+        """A region of the reference value that is this rank's natural chunk of it."""
+        if not self._consistent(dist_term, ref_term):
+            return False
+        if self.r.u[dist_term].op == "cat" and self.r.u[ref_term].op != "cat":
+            return False  # scattered pieces where the reference has one block
+        d_root, d_box = self.r.as_region(dist_term)
+        r_root, r_box = self.r.as_region(ref_term)
+        if d_root != r_root:
+            return True
+        return all(_is_rank_chunk(rank, part, whole) for part, whole in zip(d_box, r_box))
+
+    def _misaligned(self, rank: int, pairs: list[tuple[int, int]]) -> list[int]:
+        """Operands that are each a region of the right value, but not the same region: the one
+        that is not this rank's natural chunk is the wrong one."""
+        regions = []
+        for d, r in pairs:
+            d_root, d_box = self.r.as_region(self.run.ranks[rank][d])
+            r_root, r_box = self.r.as_region(self.run.reference[r])
+            if d_root != r_root or len(d_box) != len(r_box):
+                return []
+            regions.append(list(zip(d_box, r_box)))
+        relative = {tuple((lo - rl, hi - rl) for (lo, hi), (rl, _) in region) for region in regions}
+        if len(relative) < 2:
+            return []
+        return [p for p, region in enumerate(regions) if not all(_is_rank_chunk(rank, *dims) for dims in region)]
+
+    def _blocks_in_own_chunks(self, rank: int, t: int) -> bool:
+        """A cat whose every part is this rank's own chunk of one of the blocks the reference
+        splits their common tensor into (its q, k and v, say): the shard holds the right data."""
+        term = self.r.u[t]
+        if term.op != "cat":
+            return False
+        regions = [self.r.as_region(p) for p in term.args]
+        roots = {root for root, _ in regions}
+        if len(roots) != 1:
+            return False
+        root = roots.pop()
+        blocks = self.r.reference_boxes.get(root, ()) or self._implied_blocks(rank, root, [b for _, b in regions])
+        for _, box in regions:
+            owners = [b for b in blocks if all(bl <= lo and hi <= bh for (lo, hi), (bl, bh) in zip(box, b))]
+            if not any(
+                _is_rank_chunk(rank, part, whole) for b in owners for part, whole in zip(box, b) if part != whole
+            ):
+                return False
+        return True
+
+    def _implied_blocks(self, rank: int, root: int, boxes: list) -> list:
+        """Blocks a tensor-parallel loader would have cut: each part as chunk `rank` of a block n
+        times its size; returned only if those blocks tile the tensor exactly."""
+        n, shape = len(self.ranks), self.r.shape(root)
+        blocks = []
+        for box in boxes:
+            block = []
+            for (lo, hi), size in zip(box, shape):
+                width = hi - lo
+                start = lo - rank * width if (lo, hi) != (0, size) else 0
+                block.append((start, start + n * width) if (lo, hi) != (0, size) else (0, size))
+            blocks.append(tuple(block))
+        cut = [d for d in range(len(shape)) if any(b[d] != (0, shape[d]) for b in blocks)]
+        if len(cut) != 1:
+            return []
+        spans = sorted(b[cut[0]] for b in blocks)
+        tiles = spans[0][0] == 0 and spans[-1][1] == shape[cut[0]] and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+        return blocks if tiles else []
+
+    def _loader_instead(self, rank: int, culprit: Node) -> Node | None:
+        """A runtime split that is right for a correctly loaded shard is not the bug when the
+        shard itself is wrong: its parts cover fewer of the reference's blocks (its q, k, v, or
+        gate and up) than the runtime splits it into, or straddle them. Then blame the loader."""
+        graph = self.ranks[rank]
+        source = culprit.inputs[0]
+        dim = culprit.attrs[0]
+        siblings = sum(1 for n in graph.nodes if n.op == "slice" and n.inputs[0] == source and n.attrs[0] == dim)
+        term = self.r.u[self.run.ranks[rank][source]]
+        parts = term.args if term.op == "cat" else (self.run.ranks[rank][source],)
+        covered = set()
+        for root, box in (self.r.as_region(p) for p in parts):
+            blocks = {b[dim] for b in self.r.reference_boxes.get(root, ()) if len(b) > dim} or {(0, self.r.shape(root)[dim])}
+            inside = [b for b in blocks if b[0] <= box[dim][0] and box[dim][1] <= b[1]]
+            if not inside:
+                return self._loader_slice(rank, graph[source])
+            covered.add((root, inside[0]))
+        return self._loader_slice(rank, graph[source]) if len(covered) < siblings else None
+
+    def _loader_slice(self, rank: int, node: Node, unnatural: bool = False) -> Node | None:
+        """The first op of the checkpoint loader (state-only slicing or joining) that `node`
+        depends on; with `unnatural`, the first slice that does not take this rank's own chunk."""
+        graph = self.ranks[rank]
+        state_only: dict[int, bool] = {}
+        for ancestor in graph.ancestors(node):
+            if ancestor.op == "leaf":
+                state_only[ancestor.id] = str(ancestor.attrs[0]).startswith("state:")
+            else:
+                state_only[ancestor.id] = bool(ancestor.inputs) and all(state_only.get(i, False) for i in ancestor.inputs)
+            if state_only[ancestor.id] and ancestor.op == "cat" and not unnatural:
+                return ancestor
+            if state_only[ancestor.id] and ancestor.op == "slice":
+                dim, lo, hi = ancestor.attrs
+                if not unnatural or lo != rank * (hi - lo):
+                    return ancestor
+        return None
+
+
+def _is_rank_chunk(rank: int, part: tuple[int, int], whole: tuple[int, int]) -> bool:
+    """`part` is chunk `rank` (modulo the number of chunks) of `whole` cut into equal chunks."""
+    (lo, hi), (w_lo, w_hi) = part, whole
+    width = hi - lo
+    return part == whole or (lo - w_lo) == (rank % ((w_hi - w_lo) // width)) * width

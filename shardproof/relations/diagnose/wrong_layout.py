@@ -1,0 +1,177 @@
+"""Wrong layout: shards joined along another axis than they were split on, a reshape that mixes
+axes, or an operand that is the wrong region of the reference's, traced back to the op that cut
+it. A part of `Diagnoser`.
+"""
+
+from __future__ import annotations
+
+from shardproof.ir.graph import Node
+from shardproof.ir.ops import OPS
+from shardproof.relations.diagnose.agreement import LAYOUT_OPS
+from shardproof.relations.diagnose.finding import Finding
+from shardproof.relations.layout import reshape_groups
+
+
+class LayoutFaults:
+    """Operands holding the wrong data, or the right data in the wrong layout."""
+
+    def _misassembled_input(self, rank: int, node: Node) -> Finding | None:
+        """An operand that concatenates shards along another dim than they were split on."""
+        for i in node.inputs:
+            found = self._wrong_axis_finding(rank, self.ranks[rank][i])
+            if found is not None:
+                found.distributed.append((rank, node))
+                return found
+        return None
+
+    def _wrong_axis_finding(self, rank: int, node: Node) -> Finding | None:
+        axes = self._wrong_axis(self.run.ranks[rank][node.id])
+        if axes is None:
+            return None
+        return Finding(
+            "discrepancy",
+            "wrong axis",
+            f"wrong layout (wrong axis): shards split along dim {axes[1]} are concatenated along dim {axes[0]}",
+            [(rank, node)],
+        )
+
+    def _mixing_reshape(self, rank: int, chain: list[Node]) -> Finding | None:
+        """The first op of the disagreeing chain whose value reshapes data so that axes mix, e.g.
+        (seq*batch, h) read as (batch, seq, h): a group of several dims becomes several dims of
+        other sizes. Reshapes compose in the normal form, so this shows even when each op alone
+        only merges or splits."""
+        terms = self.run.ranks[rank]
+        for node in chain:
+            mixed = self._mixing_view(terms[node.id], set())
+            if mixed is not None:
+                return Finding(
+                    "discrepancy",
+                    "wrong layout",
+                    f"wrong layout: a reshape regroups axes {mixed[0]} as {mixed[1]}, mixing elements of "
+                    "different axes (e.g. batch and sequence)",
+                    [(rank, node)],
+                )
+        return None
+
+    def _mixing_view(self, t: int, seen: set[int]) -> tuple[str, str] | None:
+        if t in seen:
+            return None
+        seen.add(t)
+        term = self.r.u[t]
+        if term.op == "view":
+            source = self.r.shape(term.args[0])
+            for gi, gj in reshape_groups(source, term.shape) or []:
+                if len(gi) > 1 and len(gj) > 1 and [source[d] for d in gi] != [term.shape[d] for d in gj]:
+                    return "x".join(str(source[d]) for d in gi), "x".join(str(term.shape[d]) for d in gj)
+        for a in term.args:
+            found = self._mixing_view(a, seen)
+            if found is not None:
+                return found
+        return None
+
+    def _wrong_axis(self, t: int) -> tuple[int, int] | None:
+        """(cat dim, split dim) when a cat joins regions of one tensor cut along another dim."""
+        term = self.r.u[t]
+        if term.op != "cat":
+            return None
+        regions = [self.r.as_region(p) for p in term.args]
+        if len({root for root, _ in regions}) != 1:
+            return None
+        boxes = [box for _, box in regions]
+        differing = {d for d in range(len(boxes[0])) if len({b[d] for b in boxes}) > 1}
+        if len(differing) == 1 and term.attrs[0] not in differing:
+            return term.attrs[0], differing.pop()
+        return None
+
+    def _wrong_operand(self, rank: int, node: Node) -> Finding:
+        """The op has a reference twin; find the operand that holds the wrong data, and the
+        line that put it there (a runtime slice/reshape, or the checkpoint loader)."""
+        terms, ref_terms = self.run.ranks[rank], self.run.reference
+        match = self._should_match(rank, node)
+        if match is None:
+            return self._unexplained(rank, node)
+        pairs = list(zip(node.inputs, match.inputs))
+        wrong = [p for p, (d, r) in enumerate(pairs) if not self._own_chunk(rank, terms[d], ref_terms[r])]
+        if not wrong:
+            wrong = self._misaligned(rank, pairs)
+        if not wrong:
+            culprit = node if node.op in LAYOUT_OPS else self._loader_slice(rank, node) or node
+            what = f"`{node.op}` on rank {rank} rearranges its operands differently from the reference"
+            return Finding("discrepancy", "wrong layout", f"wrong layout: {what}", [(rank, culprit), (rank, node)], [match])
+        position = wrong[0]
+        d_in, r_in = pairs[position]
+        misweighted = self._misweighted_term(rank, node, terms[d_in], ref_terms[r_in])
+        if misweighted is not None:
+            misweighted.reference.insert(0, match)
+            return misweighted
+        culprit = self._walk_back(rank, self.ranks[rank][d_in], self.reference[r_in])
+        if node.op in LAYOUT_OPS and self._blocks_in_own_chunks(rank, terms[d_in]):
+            culprit = node  # the right data, read with the wrong layout
+        elif culprit.op == "slice":
+            culprit = self._loader_instead(rank, culprit) or culprit
+        elif culprit.op not in LAYOUT_OPS:
+            culprit = self._loader_slice(rank, culprit, unnatural=True) or culprit
+        return Finding(
+            "discrepancy",
+            "wrong layout",
+            f"wrong layout: on rank {rank}, operand {position} of `{node.op}` is "
+            f"{self.r.u.render(terms[d_in], 3)} but the reference uses {self.r.u.render(ref_terms[r_in], 3)}",
+            [(rank, culprit), (rank, node)],
+            [match, self.reference[r_in]],
+        )
+
+    def _should_match(self, rank: int, node: Node) -> Node | None:
+        """The reference op of the same kind that shares the most operands with this one:
+        an operand that is a region of the reference's counts 2, one over the same tensor 1."""
+        terms = self.run.ranks[rank]
+        best, best_score = None, 0
+        for ref_node in self.reference.nodes:
+            if ref_node.op != node.op or len(ref_node.inputs) != len(node.inputs):
+                continue
+            score = 0
+            for d, r in zip(node.inputs, ref_node.inputs):
+                if self._consistent(terms[d], self.run.reference[r]):
+                    score += 2
+                elif self.r.root_of(terms[d]) == self.r.root_of(self.run.reference[r]):
+                    score += 1
+            score += 1.5 * _shape_compatible(node.shape, ref_node.shape)
+            if score > best_score and score >= 1:
+                best, best_score = ref_node, score
+        return best
+
+    def _consistent(self, dist_term: int, ref_term: int) -> bool:
+        """The rank's value is the reference value or a region of it."""
+        if dist_term == ref_term:
+            return True
+        term = self.r.u[dist_term]
+        if term.op == "cat":
+            return all(self._consistent(p, ref_term) for p in term.args)
+        dist_roots = [root for root, _ in self.r.regions(dist_term)]
+        if ref_term in dist_roots:
+            return True
+        shared_root = any(root in dist_roots for root, _ in self.r.regions(ref_term))
+        return shared_root and self._inside(dist_term, ref_term)
+
+    def _inside(self, dist_term: int, ref_term: int) -> bool:
+        d_root, d_box = self.r.as_region(dist_term)
+        r_root, r_box = self.r.as_region(ref_term)
+        return d_root == r_root and all(rl <= dl and dh <= rh for (dl, dh), (rl, rh) in zip(d_box, r_box))
+
+    def _walk_back(self, rank: int, dist_node: Node, ref_node: Node) -> Node:
+        """Up the chain of layout and elementwise ops in step with the reference's chain, to the
+        first op whose inputs still hold the right data (and this rank's own chunk of it)."""
+        graph, terms = self.ranks[rank], self.run.ranks[rank]
+        while dist_node.op == ref_node.op and (dist_node.op in LAYOUT_OPS or OPS[dist_node.op].kind == "unary"):
+            parents = [
+                (graph[d], self.reference[r])
+                for d, r in zip(dist_node.inputs, ref_node.inputs)
+                if not self._own_chunk(rank, terms[d], self.run.reference[r])
+            ]
+            if not parents:
+                return dist_node
+            dist_node, ref_node = parents[0]
+        return dist_node
+
+
+def _shape_compatible(local: tuple[int, ...], full: tuple[int, ...]) -> bool:
+    return len(local) == len(full) and all(f % l == 0 for l, f in zip(local, full) if l)

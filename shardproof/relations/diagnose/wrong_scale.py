@@ -1,0 +1,143 @@
+"""Wrong scale and double counting: the right terms with the wrong coefficients, a sum over ranks
+of a value every rank holds whole, and the op that set the factor. A part of `Diagnoser`.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import Any
+
+from shardproof.ir.graph import Node
+from shardproof.relations.diagnose.agreement import LAYOUT_TERMS
+from shardproof.relations.diagnose.finding import Finding
+from shardproof.relations.rules import Rules
+
+
+class ScaleFaults:
+    """Coefficients that differ from the reference's, and where they were set."""
+
+    def _miscounted(self, parts: list[tuple[int, Fraction]]) -> tuple[int, Fraction, Fraction] | None:
+        """A reference sum with the same terms but other coefficients: (term, have, want)."""
+        same = self._ref_lins.get(frozenset(a for a, _ in parts))
+        if same is not None:
+            want = dict(zip(self.r.u[same].args, self.r.u[same].attrs[0]))
+            for a, c in parts:
+                if want.get(a) != c:
+                    return a, c, want[a]
+        if len(parts) == 1 and self.r.in_reference(parts[0][0]) and parts[0][1] != 1:
+            return parts[0][0], parts[0][1], Fraction(1)
+        return None
+
+    def _held_whole(self, rank: int, node: Node, extra: int) -> bool:
+        """Every rank's operand of the sum `node` holds the reference term `extra` itself (a bias
+        added before the all-reduce), not its share of it: summing counts it once per rank."""
+        operand = self.run.ranks[rank][node.inputs[0]]
+        return extra == operand or extra in self._lin_args(operand)
+
+    def _scaling_origin(self, rank: int, node: Node, want: Fraction | None = None) -> tuple[Node, Fraction] | None:
+        """The first op that multiplies a rank's (or micro-batch's) share of a sum flowing into `node`
+        by a constant (a mean's division, a loss normalisation), with that factor: where a wrong scale
+        is usually set. In a backward the factor is a constant divided out of the gradient seed (a
+        mean's backward yields 1/count), which the normal form folds into the share's other factors,
+        so the division computing it stands for the scaling. With `want`, the reference's factor on
+        the whole, a share scaled by exactly that is right and passed over."""
+        terms = self.run.ranks[rank]
+        for n in self._partial_chain(rank, node):
+            term = self.r.u[terms[n.id]]
+            scales = any(self.r.full_value(terms[i]) is not None for i in n.inputs)
+            if scales and term.op == "lin" and any(c not in (1, want) for c in term.attrs[0]) \
+                    and all(self.r.u[a].op == "piece" for a in term.args):
+                return n, term.attrs[0][0]
+        graph = self.ranks[rank]
+        for n in graph.ancestors(graph[node.inputs[0]]):
+            factor = _normalising(self.r.full_value(terms[n.id])) if n.op in ("div", "mul") else None
+            if factor is not None and factor != want:
+                return n, factor
+        return None
+
+    def _double_reduction(self, rank: int, node: Node) -> Finding | None:
+        """A sum over ranks of an operand that an earlier sum over the same ranks produced: every
+        rank holds the whole, so summing again counts it once per rank."""
+        earlier = self._earlier_reduction(rank, node)
+        if earlier is None:
+            return None
+        group = list(node.attrs[-1])
+        where = f" at {earlier.loc.short()}" if earlier.loc is not None else ""
+        return Finding(
+            "discrepancy",
+            "double reduction",
+            f"double reduction: the operand of `{node.op}` is the result of the `{earlier.op}`{where}, already summed "
+            f"over ranks {group}; summing it again counts it {len(group)} times",
+            [(rank, node), (rank, earlier)],
+        )
+
+    def _earlier_reduction(self, rank: int, node: Node) -> Node | None:
+        """The all-reduce (sum) over the same ranks whose result `node`, another sum, reduces again."""
+        if node.op != "all_reduce" or node.attrs[0] != "sum":
+            return None
+        graph, terms = self.ranks[rank], self.run.ranks[rank]
+        operand = terms[node.inputs[0]]
+        for ancestor in reversed(graph.ancestors(graph[node.inputs[0]])):
+            if ancestor.op == "all_reduce" and ancestor.attrs == node.attrs and terms[ancestor.id] == operand:
+                return ancestor
+        return None
+
+    def _misweighted_term(self, rank: int, node: Node, operand: int, ref_operand: int) -> Finding | None:
+        """A sum (of this rank's region) with the reference's terms where one term has another
+        coefficient and the rest agree: a wrong scale of that term. It was set where the rank first
+        weighs it against an agreeing term in the wrong ratio (a smoothing term's 1 / vocab size)."""
+        have, want = _weights(self.r, self.r.as_region(operand)[0]), _weights(self.r, ref_operand)
+        if len(have) < 2 or have.keys() != want.keys():
+            return None
+        wrong = [k for k in have if have[k] != want[k]]
+        right = [k for k in have if have[k] == want[k]]
+        if not wrong or not right:
+            return None
+        bad, good = wrong[0], right[0]
+        ratio = want[bad] / want[good]
+
+        def misweighs(t: int) -> bool:
+            weights = _weights(self.r, t)
+            return bad in weights and good in weights and weights[bad] / weights[good] != ratio
+
+        culprit = self._introducing(rank, node, misweighs)
+        term = "constant term" if isinstance(bad, tuple) else f"term {self.r.u.render(bad, 2)}"
+        return Finding(
+            "discrepancy",
+            "wrong scale",
+            f"wrong scale: on rank {rank} the {term} of a sum reaching `{node.op}` has coefficient "
+            f"{have[bad]} where the reference has {want[bad]}, while the other terms agree",
+            [(rank, culprit), (rank, node)],
+        )
+
+    def _scaled(self, t: int) -> bool:
+        term = self.r.u[t]
+        return (
+            term.op == "lin"
+            and not self.r.in_reference(t)
+            and any(c != 1 for c in term.attrs[0])
+            and all(self.r.in_reference(a) for a in term.args)
+        )
+
+
+def _weights(r: Rules, t: int) -> dict[Any, Fraction]:
+    """A sum's coefficient per term, terms taken through layout ops (a slice, view or transpose of
+    a term is that term; a constant counts by its value), or {} if `t` is no sum."""
+    term = r.u[t]
+    if term.op != "lin":
+        return {}
+    weights: dict[Any, Fraction] = {}
+    for a, c in zip(term.args, term.attrs[0]):
+        while r.u[a].op in LAYOUT_TERMS:
+            a = r.u[a].args[0]
+        key = ("full", *r.u[a].attrs) if r.u[a].op == "full" else a
+        weights[key] = weights.get(key, Fraction(0)) + c
+    return weights
+
+
+def _normalising(value: object) -> Fraction | None:
+    """`value` as the factor 1/k (k > 1 a whole number) that a mean or a loss normalisation applies."""
+    if not isinstance(value, (int, float, Fraction)) or isinstance(value, bool) or not 0 < value < 1:
+        return None
+    count = round(1 / value)
+    return Fraction(1, count) if abs(1 / value - count) < 1e-9 * count else None
