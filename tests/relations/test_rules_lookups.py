@@ -1,0 +1,139 @@
+"""Numeric tests of the lookup rules (`rules/lookups.py`): embedding and gather over regions, and
+vocab-parallel lookups masked or clamped to a rank's shard.
+The harness, `Build`, is in test_rules.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from test_rules import SETTINGS, Build, V, column, labels, masked_local_ids, ranges
+
+
+def vocab_parallel_rank(b: Build, w: V, ids: V, lo: int, hi: int) -> V:
+    """Megatron's VocabParallelEmbedding on one rank."""
+    mask, local_ids = masked_local_ids(b, ids, lo, hi)
+    rows = b.op("embedding", b.sl(w, 0, lo, hi), local_ids)
+    out_shape = rows.shape
+    wide_mask = b.expand(b.view(mask, ids.shape + (1,)), out_shape)
+    return b.op("where", wide_mask, b.scalar(0.0, out_shape), rows)
+
+
+def vocab_parallel_target_logit(b: Build, logits: V, target: V, lo: int, hi: int) -> V:
+    """Megatron's target-logit lookup on one rank (`logits_2d[arange, masked_target]` on flattened
+    tokens lowers to a gather on the unflattened ones)."""
+    mask, local = masked_local_ids(b, target, lo, hi)
+    column = b.view(local, target.shape + (1,))
+    picked = b.view(b.op("gather", b.sl(logits, 2, lo, hi), column, attrs=(2,)), target.shape)
+    return b.op("where", mask, b.scalar(0.0, target.shape), picked)
+
+
+def test_embedding_of_a_column_slice_and_of_sliced_ids():
+    b = Build()
+    w = b.leaf("w", (7, 6))
+    ids = b.leaf("ids", (2, 5), value=torch.randint(0, 7, (2, 5), generator=b.gen))
+    cols = b.op("embedding", b.sl(w, 1, 2, 5), ids)
+    b.check(cols)
+    assert b.is_slice_of(cols, b.op("embedding", w, ids))
+    rows = b.op("embedding", w, b.sl(ids, 1, 1, 4))
+    b.check(rows)
+    assert b.is_slice_of(rows, b.op("embedding", w, ids))
+
+
+@pytest.mark.parametrize(
+    "vocab,cuts_", [(8, (0, 4, 8)), (9, (0, 3, 6, 9)), (10, (0, 7, 10)), (6, (0, 1, 2, 3, 4, 5, 6))]
+)
+def test_vocab_parallel_masked_embedding(vocab, cuts_):
+    b = Build()
+    w = b.leaf("w", (vocab, 4))
+    ids = b.leaf("ids", (2, 5), value=torch.randint(0, vocab, (2, 5), generator=b.gen))
+    ranks = [vocab_parallel_rank(b, w, ids, lo, hi) for lo, hi in zip(cuts_, cuts_[1:])]
+    for rank in ranks:
+        assert b.op_of(rank) == "piece"
+    total = b.add(*ranks)
+    full = b.op("embedding", w, ids)
+    torch.testing.assert_close(total.value, full.value)
+    assert total.term == full.term
+    b.check(total)
+
+
+def test_gather_is_linear_in_its_table_and_constant_along_broadcast_rows():
+    b = Build()
+    x, y, m = b.leaf("x", (2, 3, 5)), b.leaf("y", (2, 3, 5)), b.leaf("m", (2, 3))
+    idx = labels(b, "idx", (2, 3, 1), 5)
+    row = b.expand(b.view(m, (2, 3, 1)), (2, 3, 5))
+    g = b.op("gather", b.sub(b.add(x, y), row), idx, attrs=(2,))
+    b.check(g)
+    gx, gy = (b.op("gather", t, idx, attrs=(2,)) for t in (x, y))
+    assert g.term == b.sub(b.add(gx, gy), b.view(m, (2, 3, 1))).term
+
+
+@SETTINGS
+@given(st.data())
+def test_gather_of_slices_on_other_dims_and_of_an_index_slice(data):
+    b = Build()
+    x = b.leaf("x", (4, 3, 5))
+    idx = labels(b, "idx", (4, 3, 2), 5)
+    box = (data.draw(ranges(4)), data.draw(ranges(3)))
+    g = b.op("gather", b.box(x, box + ((0, 5),)), b.box(idx, box + ((0, 2),)), attrs=(2,))
+    b.check(g)
+    whole = b.op("gather", x, idx, attrs=(2,))
+    assert g.term == b.r.slice(whole.term, box + ((0, 2),))
+    column = b.op("gather", x, b.sl(idx, 2, 1, 2), attrs=(2,))
+    b.check(column)
+    assert b.is_slice_of(column, whole)
+
+
+@pytest.mark.parametrize("shift", [False, True], ids=["logits", "shifted-logits"])
+@pytest.mark.parametrize("vocab,cuts_", [(8, (0, 8)), (8, (0, 4, 8)), (9, (0, 3, 6, 9)), (10, (0, 7, 10))])
+def test_vocab_parallel_masked_gather(vocab, cuts_, shift):
+    b = Build()
+    logits = b.leaf("logits", (2, 3, vocab))
+    if shift:  # as cross entropy subtracts the row max first: the table is a lin
+        logits = b.sub(logits, b.expand(b.view(b.leaf("m", (2, 3)), (2, 3, 1)), (2, 3, vocab)))
+    target = labels(b, "target", (2, 3), vocab)
+    ranks = [vocab_parallel_target_logit(b, logits, target, lo, hi) for lo, hi in zip(cuts_, cuts_[1:])]
+    if len(ranks) > 1:
+        assert {b.op_of(rank) for rank in ranks} == {"piece"}
+    total = b.add(*ranks)
+    full = b.view(b.op("gather", logits, b.view(target, (2, 3, 1)), attrs=(2,)), (2, 3))
+    torch.testing.assert_close(total.value, full.value)
+    assert total.term == full.term
+    b.check(total)
+
+
+@pytest.mark.parametrize("vocab,cuts_", [(8, (0, 4, 8)), (9, (0, 3, 6, 9)), (10, (0, 7, 10))])
+def test_vocab_parallel_clamped_gather_masked_by_a_float(vocab, cuts_):
+    """ms-swift's target log-prob: gather at the clamped local id, times float(lo <= id < hi)."""
+    b = Build()
+    logits, target = b.leaf("logits", (2, 3, vocab)), labels(b, "target", (2, 3), vocab)
+    ranks = []
+    for lo, hi in zip(cuts_, cuts_[1:]):
+        shifted = b.sub(target, b.scalar(lo, target.shape, torch.int64))
+        clamped = b.op("minimum", b.op("maximum", shifted, b.scalar(0, target.shape, torch.int64)),
+                       b.scalar(hi - lo - 1, target.shape, torch.int64))
+        picked = b.view(b.op("gather", b.sl(logits, 2, lo, hi), column(b, clamped), attrs=(2,)), target.shape)
+        inside = b.op("logical_and", b.op("ge", target, b.scalar(lo, target.shape, torch.int64)),
+                      b.op("lt", target, b.scalar(hi, target.shape, torch.int64)))
+        ranks.append(b.op("mul", picked, b.op("convert", inside, attrs=("float64",))))
+    total = b.add(*ranks)
+    b.check(total)
+    assert total.term == b.view(b.op("gather", logits, column(b, target), attrs=(2,)), target.shape).term
+
+
+@pytest.mark.parametrize("vocab,cuts_", [(8, (0, 4, 8)), (9, (0, 3, 6, 9))])
+def test_vocab_parallel_masked_gather_on_flattened_tokens(vocab, cuts_):
+    """loss_parallel's spelling: tokens flattened before the mask, the local ids and the lookup."""
+    b = Build()
+    logits, target = b.leaf("logits", (6, vocab)), labels(b, "target", (2, 3), vocab)
+    flat = b.view(target, (6,))
+    ranks = []
+    for lo, hi in zip(cuts_, cuts_[1:]):
+        mask, local = masked_local_ids(b, flat, lo, hi)
+        picked = b.view(b.op("gather", b.sl(logits, 1, lo, hi), column(b, local), attrs=(1,)), (6,))
+        ranks.append(b.op("where", mask, b.scalar(0.0, (6,)), picked))
+    total = b.add(*ranks)
+    b.check(total)
+    assert total.term == b.view(b.op("gather", logits, column(b, flat), attrs=(1,)), (6,)).term

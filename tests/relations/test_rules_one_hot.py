@@ -1,0 +1,106 @@
+"""Numeric tests of the one-hot rules (`rules/one_hot.py`): scatters of one entry per row, and a
+rank's one-hot of the ids in its vocab range.
+The harness, `Build`, is in test_rules.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_rules import Build, V, column, labels, masked_local_ids, one_hot
+
+
+def megatron_rank_one_hot(b: Build, ids: V, lo: int, hi: int, spelling: str) -> V:
+    """One rank's [lo, hi) share of the one-hot of -1 at ids, as vocab-parallel backwards spell it."""
+    mask, local = masked_local_ids(b, ids, lo, hi)
+    if spelling == "megatron":  # grad_2d[arange, masked_target] -= 1 - target_mask.float()
+        update = b.sub(b.scalar(1.0, ids.shape), b.op("convert", mask, attrs=("float64",)))
+        return one_hot(b, local, b.op("neg", update), hi - lo, op="scatter")
+    # gather backward of a clamped local index, the gradient masked to the owner (ms-swift)
+    shifted = b.sub(ids, b.scalar(lo, ids.shape, torch.int64))
+    clamped = b.op("minimum", b.op("maximum", shifted, b.scalar(0, ids.shape, torch.int64)),
+                   b.scalar(hi - lo - 1, ids.shape, torch.int64))
+    inside = b.op("logical_and", b.op("ge", ids, b.scalar(lo, ids.shape, torch.int64)),
+                  b.op("lt", ids, b.scalar(hi, ids.shape, torch.int64)))
+    values = b.op("mul", b.scalar(-1.0, ids.shape), b.op("convert", inside, attrs=("float64",)))
+    return one_hot(b, clamped, values, hi - lo)
+
+
+def test_scatter_into_zeros_is_the_one_hot():
+    b = Build()
+    ids, values = labels(b, "ids", (2, 3), 5), b.leaf("v", (2, 3))
+    written = one_hot(b, ids, values, 5, op="scatter")
+    b.check(written)
+    assert written.term == one_hot(b, ids, values, 5).term
+
+
+def test_scatter_into_a_tensor_is_it_plus_the_one_hot_of_the_change():
+    """Megatron's `grad_2d[arange, target] -= 1`: read, change, write back one entry per row."""
+    b = Build()
+    x, ids, v = b.leaf("x", (2, 3, 5)), labels(b, "ids", (2, 3), 5), b.leaf("v", (2, 3))
+    here = b.view(b.op("gather", x, column(b, ids), attrs=(2,)), (2, 3))
+    written = b.op("scatter", x, column(b, ids), column(b, b.sub(here, v)), attrs=(2,))
+    b.check(written)
+    assert written.term == b.sub(x, one_hot(b, ids, v, 5)).term
+
+
+@pytest.mark.parametrize("keepdim", [False, True])
+def test_sum_of_a_one_hot_over_its_dim_is_the_values(keepdim):
+    b = Build()
+    ids, values = labels(b, "ids", (2, 3), 5), b.leaf("v", (2, 3))
+    total = b.op("sum", one_hot(b, ids, values, 5), attrs=((2,), keepdim))
+    b.check(total)
+    assert total.term == (column(b, values) if keepdim else values).term
+
+
+def test_one_hot_absorbs_factors_constant_along_its_dim_and_scales():
+    b = Build()
+    x, ids, v, y = b.leaf("x", (2, 3, 5)), labels(b, "ids", (2, 3), 5), b.leaf("v", (2, 3)), b.leaf("y", (2, 3))
+    rows = b.expand(column(b, y), (2, 3, 5))
+    scaled = b.op("mul", one_hot(b, ids, v, 5), rows)
+    b.check(scaled)
+    assert scaled.term == one_hot(b, ids, b.op("mul", v, y), 5).term
+    both = b.op("mul", b.add(x, one_hot(b, ids, v, 5)), rows)
+    b.check(both)
+    assert b.op_of(both) == "lin"
+    negated = one_hot(b, ids, b.op("neg", v), 5)
+    assert negated.term == b.op("neg", one_hot(b, ids, v, 5)).term
+
+
+@pytest.mark.parametrize("spelling", ["megatron", "clamped"])
+@pytest.mark.parametrize("vocab,cuts_", [(8, (0, 4, 8)), (9, (0, 3, 6, 9)), (10, (0, 7, 10))])
+def test_vocab_parallel_one_hot_is_a_slice_of_the_reference_one(vocab, cuts_, spelling):
+    b = Build()
+    ids = labels(b, "ids", (2, 3), vocab)
+    whole = one_hot(b, ids, b.scalar(-1.0, ids.shape), vocab)
+    b.r.reference_size = len(b.u)  # the reference wrote that one-hot; the ranks come after
+    ranks = [megatron_rank_one_hot(b, ids, lo, hi, spelling) for lo, hi in zip(cuts_, cuts_[1:])]
+    for rank, (lo, hi) in zip(ranks, zip(cuts_, cuts_[1:])):
+        b.check(rank)
+        assert rank.term == b.r.slice(whole.term, ((0, 2), (0, 3), (lo, hi)))
+    assert b.cat(ranks, 2).term == whole.term
+
+
+@pytest.mark.parametrize("vocab,cuts_", [(8, (0, 4, 8)), (9, (0, 3, 6, 9))])
+def test_a_reference_running_the_masked_code_over_the_whole_vocab_writes_the_plain_one_hot(vocab, cuts_):
+    """Megatron on one rank: the mask `ids < 0 | ids >= vocab` and the shift by 0 still spelled."""
+    b = Build()
+    ids = labels(b, "ids", (2, 3), vocab)
+    whole = megatron_rank_one_hot(b, ids, 0, vocab, "megatron")
+    b.check(whole)
+    assert whole.term == one_hot(b, ids, b.scalar(-1.0, ids.shape), vocab).term
+    b.r.reference_size = len(b.u)
+    ranks = [megatron_rank_one_hot(b, ids, lo, hi, "megatron") for lo, hi in zip(cuts_, cuts_[1:])]
+    for rank in ranks:
+        b.check(rank)
+    assert b.cat(ranks, 2).term == whole.term
+
+
+def test_rank_one_hot_without_a_reference_one_stays_literal():
+    """The axis width is not visible on a rank: without the reference's one-hot it is left alone."""
+    b = Build()
+    ids = labels(b, "ids", (2, 3), 8)
+    b.r.reference_size = len(b.u)
+    rank = megatron_rank_one_hot(b, ids, 4, 8, "megatron")
+    b.check(rank)
+    assert b.op_of(rank) == "scatter_add"

@@ -1,0 +1,226 @@
+"""Numeric tests of the product rules (`rules/products.py`): mul, div and matmul over slices,
+concatenations, pieces and scaled operands.
+The harness, `Build`, is in test_rules.py."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from test_rules import SETTINGS, Build, V, cuts, ranges
+
+
+@SETTINGS
+@given(st.integers(1, 4), st.integers(1, 4), st.integers(2, 6), st.data())
+def test_matmul_column_parallel(m, k, n, data):
+    b = Build()
+    x, w = b.leaf("x", (m, k)), b.leaf("w", (k, n))
+    lo, hi = data.draw(ranges(n))
+    y = b.op("matmul", x, b.sl(w, 1, lo, hi))
+    b.check(y)
+    full = b.op("matmul", x, w)
+    assert y.term == full.term if (lo, hi) == (0, n) else b.is_slice_of(y, full)
+
+
+@SETTINGS
+@given(st.integers(2, 5), st.integers(1, 4), st.integers(1, 4), st.data())
+def test_matmul_sliced_rows_of_the_left_operand(m, k, n, data):
+    b = Build()
+    x, w = b.leaf("x", (2, m, k)), b.leaf("w", (k, n))
+    lo, hi = data.draw(ranges(m))
+    y = b.op("matmul", b.sl(x, 1, lo, hi), w)
+    b.check(y)
+    if (lo, hi) != (0, m):
+        assert b.is_slice_of(y, b.op("matmul", x, w))
+
+
+def test_matmul_batched_heads_slice():
+    """Per-head attention scores of a head range are that range of the full scores."""
+    b = Build()
+    q, k = b.leaf("q", (2, 4, 3, 5)), b.leaf("k", (2, 4, 3, 5))
+    kt = b.permute(k, (0, 1, 3, 2))
+    y = b.op("matmul", b.sl(q, 1, 1, 3), b.sl(kt, 1, 1, 3))
+    b.check(y)
+    assert b.is_slice_of(y, b.op("matmul", q, kt))
+
+
+def test_matmul_of_a_cat_on_a_free_dim():
+    b = Build()
+    x, w1, w2 = b.leaf("x", (3, 4)), b.leaf("w1", (4, 2)), b.leaf("w2", (4, 5))
+    y = b.op("matmul", x, b.cat([w1, w2], 1))
+    b.check(y)
+    term = b.u[y.term]
+    assert term.op == "cat" and term.args == (b.op("matmul", x, w1).term, b.op("matmul", x, w2).term)
+
+
+@SETTINGS
+@given(st.integers(1, 3), st.integers(2, 8), st.integers(1, 3), st.data())
+def test_matmul_over_a_cat_on_the_contracted_dim(m, k, n, data):
+    """cat(a1, a2) @ cat(b1, b2), the parts cut at unrelated points, is the sum of matching parts."""
+    b = Build()
+    x, w = b.leaf("x", (m, k)), b.leaf("w", (k, n))
+    a_points, b_points = data.draw(cuts(k)), data.draw(cuts(k))
+    left = b.cat([b.sl(x, 1, lo, hi) for lo, hi in zip(a_points, a_points[1:])], 1)
+    right = b.cat([b.sl(w, 0, lo, hi) for lo, hi in zip(b_points, b_points[1:])], 0)
+    y = b.op("matmul", left, right)
+    b.check(y)
+    assert y.term == b.op("matmul", x, w).term
+
+
+def test_matmul_over_cats_of_different_tensors():
+    b = Build()
+    g1, g2, w1, w2 = b.leaf("g1", (3, 2)), b.leaf("g2", (3, 4)), b.leaf("w1", (2, 5)), b.leaf("w2", (4, 5))
+    y = b.op("matmul", b.cat([g1, g2], 1), b.cat([w1, w2], 0))
+    b.check(y)
+    assert y.term == b.add(b.op("matmul", g1, w1), b.op("matmul", g2, w2)).term
+
+
+def test_product_with_a_scaled_factor_is_a_scaled_product():
+    b = Build()
+    x, y = b.leaf("x", (3, 4)), b.leaf("y", (3, 4))
+    z = b.op("mul", b.op("mul", x, b.scalar(2.0, x.shape)), y)
+    b.check(z)
+    t = b.u[z.term]
+    assert t.op == "lin" and t.args == (b.op("mul", x, y).term,) and t.attrs[0] == (Fraction(2),)
+
+
+def test_matmul_by_a_scaled_operand():
+    b = Build()
+    x, w = b.leaf("x", (3, 4)), b.leaf("w", (4, 2))
+    y = b.op("matmul", b.op("mul", x, b.scalar(0.5, x.shape)), w)
+    b.check(y)
+    t = b.u[y.term]
+    assert t.op == "lin" and t.args == (b.op("matmul", x, w).term,) and t.attrs[0] == (Fraction(1, 2),)
+
+
+@SETTINGS
+@given(st.integers(1, 3), st.integers(2, 8), st.integers(1, 3), st.data())
+def test_matmul_row_parallel_sums_to_the_full_matmul(m, k, n, data):
+    b = Build()
+    x, w = b.leaf("x", (2, m, k)), b.leaf("w", (k, n))
+    points = data.draw(cuts(k))
+    partials = [b.op("matmul", b.sl(x, 2, lo, hi), b.sl(w, 0, lo, hi)) for lo, hi in zip(points, points[1:])]
+    if len(partials) > 1:
+        assert all(b.op_of(p) == "piece" for p in partials)
+        with pytest.raises(NotImplementedError):
+            b.value_of(partials[0])
+    total = b.add(*partials)
+    full = b.op("matmul", x, w)
+    assert total.term == full.term
+    b.check(total)
+    torch.testing.assert_close(b.value_of(total), full.value)
+
+
+def test_matmul_row_parallel_partial_ranks_stay_a_piece():
+    """Only ranges tiling the whole contraction add up to the matmul."""
+    b = Build()
+    x, w = b.leaf("x", (3, 6)), b.leaf("w", (6, 2))
+    parts = [b.op("matmul", b.sl(x, 1, lo, lo + 2), b.sl(w, 0, lo, lo + 2)) for lo in (0, 2, 4)]
+    two = b.add(parts[0], parts[1])
+    t = b.u[two.term]
+    assert t.op == "piece" and t.attrs[1:] == (0, 4, 6)
+    gapped = b.add(parts[0], parts[2])
+    assert b.op_of(gapped) == "lin"
+    total = b.add(two, parts[2])
+    assert total.term == b.op("matmul", x, w).term
+
+
+def test_partial_sums_times_a_tensor_sum_to_the_product():
+    """mul distributes over a piece: sum_r (x_r @ w_r) * g == (x @ w) * g for a non-constant g."""
+    b = Build()
+    x, w, g = b.leaf("x", (3, 6)), b.leaf("w", (6, 2)), b.leaf("g", (2,))
+    wide_g = b.expand(b.view(g, (1, 2)), (3, 2))
+    partials = [b.op("mul", b.op("matmul", b.sl(x, 1, lo, lo + 3), b.sl(w, 0, lo, lo + 3)), wide_g) for lo in (0, 3)]
+    assert all(b.op_of(p) == "piece" for p in partials)
+    total = b.add(*partials)
+    assert total.term == b.op("mul", b.op("matmul", x, w), wide_g).term
+    b.check(total)
+
+
+@SETTINGS
+@given(st.integers(2, 8), st.data())
+def test_mlp_megatron_column_then_row(ffn, data):
+    """relu(x @ w1[:, r]) @ w2[r, :] summed over ranks is the reference MLP."""
+    b = Build()
+    x, w1, w2 = b.leaf("x", (2, 3, 4)), b.leaf("w1", (4, ffn)), b.leaf("w2", (ffn, 4))
+    points = data.draw(cuts(ffn))
+    partials = [
+        b.op("matmul", b.op("relu", b.op("matmul", x, b.sl(w1, 1, lo, hi))), b.sl(w2, 0, lo, hi))
+        for lo, hi in zip(points, points[1:])
+    ]
+    total = b.add(*partials)
+    reference = b.op("matmul", b.op("relu", b.op("matmul", x, w1)), w2)
+    assert total.term == reference.term
+    b.check(total)
+
+
+@pytest.mark.parametrize("op", ["mul", "matmul", "div"])
+def test_scales_move_out_of_products(op):
+    """c*x (op) y is c * (x (op) y); for div also x / (c*y) = (1/c) * (x / y)."""
+    b = Build()
+    x, y, z = (b.leaf(n, (3, 3)) for n in "xyz")
+    positive = b.op("exp", z)
+
+    def third(t: V) -> V:
+        return b.op("mul", t, b.scalar(1 / 3, (3, 3)))
+
+    scaled = b.op(op, third(b.sub(x, b.add(y, y))), positive)
+    b.check(scaled)
+    assert scaled.term == third(b.op(op, b.sub(x, b.add(y, y)), positive)).term
+    if op == "div":
+        inverse = b.op(op, x, b.op("mul", positive, b.scalar(4.0, (3, 3))))
+        b.check(inverse)
+        assert inverse.term == b.op("mul", b.op(op, x, positive), b.scalar(0.25, (3, 3))).term
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_data_parallel_mean_of_shard_gradients_is_the_gradient(ranks):
+    """Each rank's gradient is a mean over its batch shard; their mean over ranks is the
+    reference's mean over the whole batch, though every rank's coefficients are `ranks` times larger."""
+    b = Build()
+    out, target, h = b.leaf("out", (8, 3)), b.leaf("target", (8, 3)), b.leaf("h", (8, 5))
+
+    def grad(rows: int, o: V, t: V, a: V) -> V:
+        residual = b.op("mul", b.sub(o, t), b.scalar(2 / (rows * 3), (rows, 3)))
+        return b.op("matmul", b.permute(residual, (1, 0)), a)
+
+    shard = 8 // ranks
+    local = [grad(shard, *(b.sl(v, 0, r * shard, (r + 1) * shard) for v in (out, target, h))) for r in range(ranks)]
+    mean = b.op("mul", b.add(*local), b.scalar(1 / ranks, (3, 5)))
+    b.check(mean)
+    assert mean.term == grad(8, out, target, h).term
+
+
+def test_products_with_float_masks_and_constant_conditions():
+    b = Build()
+    x, m = b.leaf("x", (3, 4)), b.leaf("m", (3, 4), value=torch.rand(3, 4, generator=b.gen) > 0.5)
+    masked = b.op("mul", x, b.op("convert", m, attrs=("float64",)))
+    b.check(masked)
+    assert masked.term == b.op("where", m, x, b.scalar(0.0, x.shape)).term
+    yes = b.scalar(True, x.shape, torch.bool)
+    assert b.op("where", yes, x, b.scalar(0.0, x.shape)).term == x.term
+    folded = b.op("convert", b.op("logical_not", yes), attrs=("float64",))
+    b.check(folded)
+    assert b.u[folded.term].op == "full" and b.u[folded.term].attrs == (0.0,)
+
+
+def test_products_order_their_operands_and_pull_out_scales():
+    b = Build()
+    x, y = b.leaf("x", (3, 4)), b.leaf("y", (3, 4))
+    assert b.op("mul", x, y).term == b.op("mul", y, x).term
+    scaled = b.op("mul", b.op("neg", x), y)
+    b.check(scaled)
+    assert scaled.term == b.op("neg", b.op("mul", x, y)).term
+
+
+def test_matmul_of_permuted_rows_is_the_permuted_matmul():
+    b = Build()
+    x, w = b.leaf("x", (3, 2, 4)), b.leaf("w", (4, 5))
+    y = b.op("matmul", b.permute(x, (1, 0, 2)), w)
+    b.check(y)
+    term = b.u[y.term]
+    assert term.op == "permute" and b.u[term.args[0]].op == "matmul"

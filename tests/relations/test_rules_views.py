@@ -1,0 +1,159 @@
+"""Numeric tests of the view constructor (`rules/views.py`): reshapes of slices, concatenations,
+broadcasts, permutes and matmuls.
+The harness, `Build`, is in test_rules.py."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from test_rules import SETTINGS, Build, ranges
+
+
+# --- view ------------------------------------------------------------------------------------------
+@SETTINGS
+@given(st.integers(1, 3), st.integers(1, 4), st.integers(1, 4), st.data())
+def test_view_of_slice_splits_a_group(rows, heads, head_dim, data):
+    """X(rows, heads*d)[:, h0*d:h1*d] viewed (rows, h1-h0, d) is view(X, (rows, heads, d))[:, h0:h1]."""
+    b = Build()
+    x = b.leaf("x", (rows, heads * head_dim))
+    h0, h1 = data.draw(ranges(heads))
+    y = b.view(b.sl(x, 1, h0 * head_dim, h1 * head_dim), (rows, h1 - h0, head_dim))
+    b.check(y)
+    if (h0, h1) != (0, heads) and h1 - h0 > 1 and head_dim > 1:
+        whole = b.view(x, (rows, heads, head_dim))
+        assert b.is_slice_of(y, whole)
+
+
+@SETTINGS
+@given(st.integers(2, 4), st.integers(1, 3), st.integers(1, 3), st.data())
+def test_view_of_slice_merges_a_group(a, m, n, data):
+    """X(a, m, n)[a0:a1] flattened is the [a0*m*n : a1*m*n) range of X flattened."""
+    b = Build()
+    x = b.leaf("x", (a, m, n))
+    a0, a1 = data.draw(ranges(a))
+    s = b.sl(x, 0, a0, a1)
+    flat = b.view(s, ((a1 - a0) * m * n,))
+    rows = b.view(s, ((a1 - a0) * m, n))
+    for y in (flat, rows):
+        b.check(y)
+    if (a0, a1) != (0, a):
+        assert b.is_slice_of(flat, b.view(x, (a * m * n,)))
+        assert b.is_slice_of(rows, b.view(x, (a * m, n)))
+
+
+def test_view_of_slice_head_split_follows_the_reference():
+    """`(s, 4) -> (s, 1, 4)` of columns [36:40) is head 9 of `(s, 12, 4)` when the reference
+    split heads that way, and stays a column range of `(s, 1, 48)` otherwise."""
+    seq = 3
+    b = Build()
+    x = b.leaf("x", (seq, 48))
+    heads = b.view(x, (seq, 12, 4))
+    b.r.reference_size = len(b.u)
+    y = b.view(b.sl(x, 1, 36, 40), (seq, 1, 4))
+    b.check(y)
+    assert b.is_slice_of(y, heads) and b.u[y.term].attrs[0] == ((0, seq), (9, 10), (0, 4))
+
+    plain = Build()
+    x = plain.leaf("x", (seq, 48))
+    y = plain.view(plain.sl(x, 1, 36, 40), (seq, 1, 4))
+    plain.check(y)
+    assert not plain.is_slice_of(y, plain.view(x, (seq, 12, 4)))
+
+
+def test_view_of_a_broadcast_bias():
+    """bias (8,) -> (1, 8) -> expand (6, 8) -> view (2, 3, 8): still the bias broadcast."""
+    b = Build()
+    bias = b.leaf("bias", (8,))
+    y = b.view(b.expand(b.view(bias, (1, 8)), (6, 8)), (2, 3, 8))
+    b.check(y)
+    term = b.u[y.term]
+    assert term.op == "bcast" and term.args[0] == bias.term and term.attrs[0] == (2,)
+
+
+def test_view_of_a_broadcast_then_add():
+    b = Build()
+    bias, x = b.leaf("bias", (8,)), b.leaf("x", (2, 3, 8))
+    y = b.op("add", x, b.view(b.expand(b.view(bias, (1, 8)), (6, 8)), (2, 3, 8)))
+    b.check(y)
+
+
+def test_view_inserting_ones_is_a_broadcast():
+    b = Build()
+    x = b.leaf("x", (3, 4))
+    y = b.view(x, (1, 3, 1, 4, 1))
+    b.check(y)
+    assert b.op_of(y) == "bcast"
+    back = b.view(y, (3, 4))
+    b.check(back)
+    assert back.term == x.term
+
+
+# --- permutes of activations: seq-major layouts meet batch-major ones ------------------------------
+@pytest.mark.parametrize(
+    ("shape", "perm", "target"),
+    [
+        ((2, 3, 4, 5), (0, 2, 1, 3), (2, 4, 15)),  # transpose(1, 2) then merge heads: the reference's layout
+        ((2, 3, 4, 5), (2, 0, 1, 3), (4, 2, 15)),  # (seq, batch, heads*dim) from (batch, heads, seq, dim)
+        ((2, 3, 4, 5), (2, 0, 1, 3), (8, 15)),  # (seq*batch, heads*dim)
+        ((2, 3, 4), (1, 0, 2), (3, 2, 2, 2)),  # split the last dim of a transposed tensor
+    ],
+)
+def test_view_of_a_permute_is_a_permute_of_a_view(shape, perm, target):
+    b = Build()
+    x = b.leaf("x", shape)
+    y = b.view(b.permute(x, perm), target)
+    b.check(y)
+
+
+def test_seq_major_and_batch_major_head_merges_meet():
+    """(seq, batch, h*d) from a transposed attention output is a transpose of (batch, seq, h*d)."""
+    b = Build()
+    a, w = b.leaf("a", (2, 3, 4, 5)), b.leaf("w", (15, 6))
+    batch_major = b.op("matmul", b.view(b.permute(a, (0, 2, 1, 3)), (2, 4, 15)), w)
+    seq_major = b.op("matmul", b.view(b.permute(a, (2, 0, 1, 3)), (8, 15)), w)
+    back = b.permute(b.view(seq_major, (4, 2, 6)), (1, 0, 2))
+    b.check(batch_major)
+    b.check(back)
+    assert back.term == batch_major.term
+
+
+def test_view_of_a_two_dim_matmul_splits_its_rows():
+    b = Build()
+    x, w = b.leaf("x", (6, 4)), b.leaf("w", (4, 5))
+    y = b.view(b.op("matmul", x, w), (2, 3, 5))
+    b.check(y)
+    assert b.op_of(y) == "matmul"
+
+
+def test_view_of_cat_keeping_the_cat_dim_is_a_cat_of_views():
+    b = Build()
+    x, y = b.leaf("x", (2, 3, 4)), b.leaf("y", (2, 3, 2))
+    v = b.view(b.cat([x, y], 2), (6, 6))
+    b.check(v)
+    assert v.term == b.cat([b.view(x, (6, 4)), b.view(y, (6, 2))], 1).term
+
+
+def test_view_merging_the_cat_dim_of_one_row_parts_joins_them_along_the_next_dim():
+    """Sequence shards of a batch of one gathered on dim 0, then flattened with the sequence: the
+    whole sequence flattened (and any one-row parts: their join along the next dim)."""
+    b = Build()
+    x = b.leaf("x", (1, 8, 3))
+    gathered = b.view(b.cat([b.sl(x, 1, 0, 4), b.sl(x, 1, 4, 8)], 0), (8, 3))
+    b.check(gathered)
+    assert gathered.term == b.view(x, (8, 3)).term
+    p, q = b.leaf("p", (1, 2, 3)), b.leaf("q", (1, 2, 3))
+    stacked = b.view(b.cat([p, q], 0), (4, 3))
+    b.check(stacked)
+    assert stacked.term == b.view(b.cat([p, q], 1), (4, 3)).term
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 3), (2, 1, 1), (1, 1, 2, 2)])
+def test_squeeze_of_unsqueeze_with_adjacent_size_one_dims(shape):
+    b = Build()
+    x = b.leaf("x", shape)
+    grown = b.view(x, shape[:2] + (1,) + shape[2:])
+    back = b.view(grown, shape)
+    b.check(back)
+    assert back.term == x.term
