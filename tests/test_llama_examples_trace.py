@@ -84,14 +84,28 @@ def test_llama3_8b_shapes_trace(name: str, monkeypatch: pytest.MonkeyPatch) -> N
     _check(case, 8, [0])
 
 
-@pytest.mark.parametrize("name", LLAMA_CASES)
-def test_batch_of_one_is_proven(name: str) -> None:
-    """The real presets run one sequence: a size-1 batch dim must not split the proof's normal forms."""
+def _assert_proven(case: Case, world_size: int) -> None:
+    """Proven equivalent, and the numeric oracle agrees."""
     from shardproof import verify
     from shardproof.oracle import run_numeric
 
+    report = verify(case, world_size=world_size)
+    assert report.verdict == "equivalent", report.diagnosis
+    assert run_numeric(case, world_size).agree
+
+
+@pytest.mark.parametrize("name", LLAMA_CASES)
+def test_batch_of_one_is_proven(name: str) -> None:
+    """The real presets run one sequence: a size-1 batch dim must not split the proof's normal forms."""
     case = load_case(EXAMPLES / name)
     case.module.CONFIG = dataclasses.replace(case.module.CONFIG, batch=1, n_layers=1)
-    report = verify(case, world_size=2)
-    assert report.verdict == "equivalent", report.diagnosis
-    assert run_numeric(case, 2).agree
+    _assert_proven(case, 2)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_sequence_parallel_training_at_batch_of_one_is_proven(world_size: int) -> None:
+    """Megatron TP + SP training on one sequence (the preset's micro-batch): the fused qkv and
+    gate_up weight gradients flatten a batch of one, a view that only drops the batch dim."""
+    case = load_case(EXAMPLES / "llama_sp_train.py")
+    case.module.CONFIG = dataclasses.replace(case.module.CONFIG, batch=1, seq=8, n_layers=1)
+    _assert_proven(case, world_size)

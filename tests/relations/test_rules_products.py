@@ -224,3 +224,37 @@ def test_matmul_of_permuted_rows_is_the_permuted_matmul():
     b.check(y)
     term = b.u[y.term]
     assert term.op == "permute" and b.u[term.args[0]].op == "matmul"
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_weight_gradient_of_fused_parts_meets_the_loaders_row_blocks(batch):
+    """A rank's fused q/k/v output gradient, its own columns of each part, flattened over batch and
+    sequence for the weight gradient: the product splits by the parts, also for a batch of one,
+    whose flattening only drops the batch dim and so stays a view of the cat. It meets the rows
+    the loader cuts from the reference's weight gradient of the whole parts."""
+    b = Build()
+    seq, hidden = 3, 5
+    q, k, v = (b.leaf(name, (batch, seq, 4)) for name in "qkv")
+    x = b.leaf("x", (batch * seq, hidden))
+
+    def weight_gradient(parts: list[V]) -> V:
+        flat = b.view(b.cat(parts, 2), (batch * seq, sum(p.shape[2] for p in parts)))
+        return b.op("matmul", b.permute(flat, (1, 0)), x)
+
+    whole = weight_gradient([q, k, v])
+    rank = weight_gradient([b.sl(q, 2, 0, 2), b.sl(k, 2, 0, 2), b.sl(v, 2, 0, 2)])
+    loaded = b.cat([b.sl(whole, 0, lo, lo + 2) for lo in (0, 4, 8)], 0)
+    b.check(rank)
+    b.check(loaded)
+    assert rank.term == loaded.term
+
+
+def test_input_gradient_of_a_batch_of_one_sums_over_the_fused_parts():
+    """The batch-of-one gradient of cat(gate, up), flattened, times the fused weight is the sum of
+    each part's product with its rows of the weight, as for a larger batch."""
+    b = Build()
+    gate, up, w = b.leaf("gate", (1, 3, 2)), b.leaf("up", (1, 3, 4)), b.leaf("w", (6, 5))
+    y = b.op("matmul", b.view(b.cat([gate, up], 2), (3, 6)), w)
+    b.check(y)
+    parts = [b.op("matmul", b.view(gate, (3, 2)), b.sl(w, 0, 0, 2)), b.op("matmul", b.view(up, (3, 4)), b.sl(w, 0, 2, 6))]
+    assert y.term == b.add(*parts).term

@@ -5,9 +5,11 @@ The harness, `Build`, is in test_rules.py."""
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from shardproof.relations.evaluate import evaluate
 from test_rules import SETTINGS, Build, ranges
 
 
@@ -157,3 +159,23 @@ def test_squeeze_of_unsqueeze_with_adjacent_size_one_dims(shape):
     back = b.view(grown, shape)
     b.check(back)
     assert back.term == x.term
+
+
+
+@SETTINGS
+@given(st.integers(2, 4), st.integers(2, 4), st.integers(1, 2), st.integers(0, 2), st.data())
+def test_a_cat_behind_size_one_reshapes_and_permutes_is_exposed(m, n, dim, which, data):
+    """A reshape of a cat that drops (and adds) size-1 dims stays a view of the cat, but
+    `exposed_cat` reads it, permuted or not, as the cat of its parts reshaped alike."""
+    b = Build()
+    shape = (1, m, n)
+    cut = data.draw(st.integers(1, shape[dim] - 1))
+    sizes = [cut, shape[dim] - cut]
+    parts = [b.leaf(f"p{i}", shape[:dim] + (size,) + shape[dim + 1 :]) for i, size in enumerate(sizes)]
+    target = [(m, n), (m, 1, n), (m, n, 1)][which]
+    viewed = b.view(b.cat(parts, dim), target)
+    y = b.permute(viewed, data.draw(st.permutations(range(len(target)))))
+    b.check(y)
+    exposed = b.r.exposed_cat(y.term)
+    assert b.op_of(viewed) == "view" and b.u[exposed].op == "cat"
+    torch.testing.assert_close(evaluate(b.u, exposed, b.leaves), y.value)

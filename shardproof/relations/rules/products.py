@@ -101,6 +101,10 @@ def matmul(r: Rules, op: str, args, attrs, shape, dtype) -> int:
                 t, lambda x: r.build("matmul", (x, other) if i == 0 else (other, x), attrs, shape, dtype), shape
             )
     for i, t in enumerate((a, b)):
+        exposed = _exposed_cat(r, t)
+        if exposed is not None:
+            return r.build("matmul", (exposed, b) if i == 0 else (a, exposed), attrs, shape, dtype)
+    for i, t in enumerate((a, b)):
         term = r.u[t]
         free_dim = len(shape) - 2 + i
         if term.op == "cat" and term.attrs[0] == len(term.shape) - 2 + i:
@@ -115,6 +119,17 @@ def matmul(r: Rules, op: str, args, attrs, shape, dtype) -> int:
     if split is not None:
         return split
     return _matmul_slices(r, a, b, attrs, shape, dtype)
+
+
+def _exposed_cat(r: Rules, t: int) -> int | None:
+    """A matmul operand that is a cat behind permutes and size-1 reshapes (`Rules.exposed_cat`),
+    as that cat, when its cat dim is a matrix dim (free or contracted), which products split by."""
+    if r.op(t) not in ("permute", "view"):
+        return None
+    exposed = r.exposed_cat(t)
+    if exposed is None or r.u[exposed].attrs[0] < len(r.shape(t)) - 2:
+        return None
+    return exposed
 
 
 def _split_contraction(r: Rules, a: int, b: int, attrs, shape, dtype) -> int | None:

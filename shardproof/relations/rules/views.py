@@ -74,8 +74,17 @@ class ViewRules:
             # parts one row deep stacked along `dim` lie in memory as the parts joined along the next dim
             # (a batch of one all-gathered on dim 0, then flattened with the sequence it shards)
             return self.view(self.cat(list(term.args), dim + 1), shape)
-        alone = [dst for src, dst in groups if src == [dim] and len(dst) == 1]
-        if not alone or all(len(src) <= 1 and len(dst) <= 1 for src, dst in groups):
+        if all(len(src) <= 1 and len(dst) <= 1 for src, dst in groups):
+            return None
+        return self._cat_of_views(x, shape)
+
+    def _cat_of_views(self, x: int, shape: tuple[int, ...]) -> int | None:
+        """view(cat(parts), shape) as the cat of the parts viewed alike, when the reshape leaves
+        the cat dim alone (its own group); None otherwise."""
+        term = self.u[x]
+        dim = term.attrs[0]
+        alone = [dst for src, dst in reshape_groups(term.shape, shape) or [] if src == [dim] and len(dst) == 1]
+        if not alone:
             return None
         out_dim = alone[0][0]
         parts = []
@@ -83,6 +92,21 @@ class ViewRules:
             part_shape = tuple(self.shape(p)[dim] if d == out_dim else s for d, s in enumerate(shape))
             parts.append(self.view(p, part_shape))
         return self.cat(parts, out_dim)
+
+    def exposed_cat(self, x: int) -> int | None:
+        """`x` as a cat (or None) when it is one seen through permutes and reshapes that keep the
+        cat dim whole: in normal form, reshapes that only add or drop size-1 dims, which
+        `_view_cat` leaves outside the cat. Products split by the parts of such an operand as by a
+        cat's, so a batch of one flattened for a weight gradient splits like a larger batch,
+        whose flattening distributes over the cat."""
+        term = self.u[x]
+        if term.op == "cat":
+            return x
+        inner = self.exposed_cat(term.args[0]) if term.op in ("permute", "view") else None
+        if inner is None:
+            return None
+        found = self.permute(inner, term.attrs[0]) if term.op == "permute" else self._cat_of_views(inner, term.shape)
+        return found if found is not None and self.op(found) == "cat" else None  # joined parts: no cat
 
     def _view_matmul_batch(self, x: int, shape: tuple[int, ...]) -> int | None:
         """A reshape of only the batch dims of a batched matmul is that reshape of both operands'
