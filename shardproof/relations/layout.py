@@ -63,7 +63,7 @@ def reshape_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[lis
 
 
 def view_of_box(
-    global_src: tuple[int, ...], box: Box, local_dst: tuple[int, ...], ones_split: bool = False
+    global_src: tuple[int, ...], box: Box, local_dst: tuple[int, ...], ones_split: bool = False, ones_last: bool = False
 ) -> tuple[tuple[int, ...], Box] | None:
     """If `view(X[box], local_dst)` equals `view(X, G)[B]` for some G and B, return (G, B).
 
@@ -72,7 +72,11 @@ def view_of_box(
     size-1 source dim (one selected row) moves to a size-1 destination dim, and a size-1
     destination dim right before a restricted group takes the restriction as the outer factor
     of a split when `ones_split` (so `(s, 4) -> (s, 1, 4)` of columns [36:40) is head 9 of
-    `(s, 12, 4)`); both readings are true, the caller picks the one the reference uses.
+    `(s, 12, 4)`); both readings are true, the caller picks the one the reference uses. Size-1
+    source dims pair with size-1 destination dims in order from the first of each run, or with
+    `ones_last` from the last, where the leading dims (a batch of one) are the ones added or
+    dropped: one head of a batch of one, `(1, 1, s, d) -> (1, s, d)`, is that head of
+    `(heads, s, d)`, and back, `(1, s, d) -> (1, 1, s, d)`, of `(1, heads, s, d)`.
     """
     local_src = box_shape(box)
     groups = reshape_groups(local_src, local_dst)
@@ -82,10 +86,16 @@ def view_of_box(
     out_box = [(0, s) for s in local_dst]
     free_ones: list[int] = []  # size-1 destination dims not yet given a restriction
     pending: list[int] = []  # size-1 source dims waiting for a size-1 destination, in order
-    for gi, gj in groups:
+    ahead = _dst_ones_ahead(groups)
+    for g, (gi, gj) in enumerate(groups):
         restricted = [d for d in gi if box[d] != (0, global_src[d])]
         if not gi:
-            if pending:
+            if ones_last and len(pending) > ahead[g]:  # the first of the run are dropped
+                dropped = pending[: len(pending) - ahead[g]]
+                if any(box[d] != (0, global_src[d]) for d in dropped):
+                    return None
+                del pending[: len(dropped)]
+            if pending and not (ones_last and len(pending) < ahead[g]):
                 d = pending.pop(0)
                 out_shape[gj[0]], out_box[gj[0]] = global_src[d], box[d]
             else:
@@ -125,3 +135,14 @@ def view_of_box(
     if any(box[d] != (0, global_src[d]) for d in pending):
         return None
     return tuple(out_shape), tuple(out_box)
+
+
+def _dst_ones_ahead(groups: list[tuple[list[int], list[int]]]) -> list[int]:
+    """For each group, how many size-1 destination dims follow from it (itself included) before
+    the next group of real dims."""
+    ahead, count = [0] * len(groups), 0
+    for g in range(len(groups) - 1, -1, -1):
+        gi, gj = groups[g]
+        count = count + 1 if not gi else 0 if gj else count
+        ahead[g] = count
+    return ahead

@@ -145,8 +145,11 @@ def test_reshape_groups_examples():
 
 
 # --- view_of_box -------------------------------------------------------------------------------------
-def _check_view_of_box(src, box, dst, ones_split: bool) -> bool:
-    found = view_of_box(src, box, dst, ones_split=ones_split)
+READINGS = [{}, {"ones_split": True}, {"ones_last": True}]  # view_of_box's readings: each must be sound
+
+
+def _check_view_of_box(src, box, dst, **reading: bool) -> bool:
+    found = view_of_box(src, box, dst, **reading)
     if found is None:
         return False
     g, b = found
@@ -159,21 +162,21 @@ def _check_view_of_box(src, box, dst, ones_split: bool) -> bool:
 
 
 @SETTINGS
-@given(st.data(), st.booleans())
-def test_view_of_box_is_sound_on_random_boxes(data, ones_split):
+@given(st.data(), st.sampled_from(READINGS))
+def test_view_of_box_is_sound_on_random_boxes(data, reading):
     src = data.draw(shapes())
     box = data.draw(boxes(src))
     dst = data.draw(reshapes_of(box_shape(box)))
-    _check_view_of_box(src, box, dst, ones_split)
+    _check_view_of_box(src, box, dst, **reading)
 
 
 @SETTINGS
-@given(st.data(), st.booleans())
-def test_view_of_box_is_sound_on_aligned_boxes(data, ones_split):
+@given(st.data(), st.sampled_from(READINGS))
+def test_view_of_box_is_sound_on_aligned_boxes(data, reading):
     src = data.draw(shapes())
     box = data.draw(aligned_boxes(src))
     dst = data.draw(reshapes_of(box_shape(box)))
-    _check_view_of_box(src, box, dst, ones_split)
+    _check_view_of_box(src, box, dst, **reading)
 
 
 @SETTINGS
@@ -209,6 +212,16 @@ def test_view_of_box_head_split_with_a_size_one_dim():
     assert view_of_box(src, box, dst) == ((3, 1, 48), ((0, 3), (0, 1), (36, 40)))
     assert _check_view_of_box(src, box, dst, ones_split=True)
     assert _check_view_of_box(src, box, dst, ones_split=False)
+
+
+def test_view_of_box_ones_last_pairs_size_one_dims_from_the_end():
+    """One head of a batch of one: the batch is the size-1 dim dropped, or added, not the head."""
+    src, box, dst = (1, 6, 4, 3), ((0, 1), (2, 3), (0, 4), (0, 3)), (1, 4, 3)
+    assert view_of_box(src, box, dst, ones_last=True) == ((6, 4, 3), ((2, 3), (0, 4), (0, 3)))
+    assert view_of_box(src, box, dst) == ((1, 24, 3), ((0, 1), (8, 12), (0, 3)))
+    src, box, dst = (6, 4, 4), ((2, 3), (0, 4), (0, 4)), (1, 1, 4, 4)
+    assert view_of_box(src, box, dst, ones_last=True) == ((1, 6, 4, 4), ((0, 1), (2, 3), (0, 4), (0, 4)))
+    assert view_of_box(src, box, dst) == ((6, 1, 4, 4), ((2, 3), (0, 1), (0, 4), (0, 4)))
 
 
 def test_view_of_box_one_selected_row_moves_to_a_size_one_dim():

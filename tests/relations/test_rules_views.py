@@ -64,6 +64,33 @@ def test_view_of_slice_head_split_follows_the_reference():
     assert not plain.is_slice_of(y, plain.view(x, (seq, 12, 4)))
 
 
+def test_one_head_of_a_batch_of_one_follows_the_reference():
+    """A rank's one head of a batch of one, flattened for a batched matmul, (1, 1, s, d) ->
+    (1, s, d), is that head of the reference's (heads, s, d); the scores back, (1, s, s) ->
+    (1, 1, s, s), are that head of the reference's (1, heads, s, s)."""
+    b = Build()
+    q, scores = b.leaf("q", (1, 6, 4, 3)), b.leaf("scores", (6, 4, 4))
+    per_head, batched = b.view(q, (6, 4, 3)), b.view(scores, (1, 6, 4, 4))
+    b.r.reference_size = len(b.u)
+    y = b.view(b.sl(q, 1, 2, 3), (1, 4, 3))
+    b.check(y)
+    assert y.term == b.sl(per_head, 0, 2, 3).term
+    z = b.view(b.sl(scores, 0, 2, 3), (1, 1, 4, 4))
+    b.check(z)
+    assert z.term == b.sl(batched, 1, 2, 3).term
+
+
+def test_view_of_a_broadcast_drops_its_kept_size_one_dims():
+    """One head's attention output of a batch of one, (1, s, 1, d) -> (1, s, d), broadcasts its
+    base with the size-1 head dim dropped: the head's columns of the reference's (1, s, heads*d)."""
+    b = Build()
+    out = b.permute(b.leaf("out", (6, 4, 3)), (1, 0, 2))  # (s, heads, d)
+    merged = b.view(b.view(out, (1, 4, 6, 3)), (1, 4, 18))
+    head = b.view(b.view(b.sl(out, 1, 2, 3), (1, 4, 1, 3)), (1, 4, 3))
+    b.check(head)
+    assert b.op_of(head) == "bcast" and head.term == b.sl(merged, 2, 6, 9).term
+
+
 def test_view_of_a_broadcast_bias():
     """bias (8,) -> (1, 8) -> expand (6, 8) -> view (2, 3, 8): still the bias broadcast."""
     b = Build()

@@ -124,12 +124,13 @@ class ViewRules:
 
     def _view_region(self, root: int, region: Box, shape: tuple[int, ...]) -> int | None:
         """view(root[region]) as a region of a view of root, if the normal form has one."""
-        split = view_of_box(self.shape(root), region, shape, ones_split=True)
         plain = view_of_box(self.shape(root), region, shape)
-        if split is not None and split != plain and self.reference_size is not None:
-            whole = self.view(root, split[0])  # built in the reference run it would count as the reference's
-            if self.in_reference(whole):
-                return self.slice(whole, split[1])
+        for flag in ("ones_split", "ones_last") if self.reference_size is not None else ():
+            other = view_of_box(self.shape(root), region, shape, **{flag: True})
+            if other is not None and other != plain:
+                whole = self.view(root, other[0])  # built in the reference run it would count as the reference's
+                if self.in_reference(whole):
+                    return self.slice(whole, other[1])
         if plain is not None:
             return self.slice(self.view(root, plain[0]), plain[1])
         return None
@@ -215,10 +216,10 @@ class ViewRules:
                 if gi[0] not in rows.values():
                     pending.append(gi[0])
                 continue
-            if kept & set(pending):
+            mine = [d for d in gi if d in kept]
+            if kept & set(pending) and mine != gi:  # kept size-1 dims before kept dims: the base drops them
                 return None
             pending.clear()
-            mine = [d for d in gi if d in kept]
             if gj[0] in rows:
                 dims.append(gj[0])
                 base_shape.append(1)
