@@ -102,10 +102,11 @@ def test_batch_of_one_is_proven(name: str) -> None:
     _assert_proven(case, 2)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_sequence_parallel_training_at_batch_of_one_is_proven(world_size: int) -> None:
+@pytest.mark.parametrize(("world_size", "seq"), [(2, 8), (4, 8), (8, 16)])
+def test_sequence_parallel_training_at_batch_of_one_is_proven(world_size: int, seq: int) -> None:
     """Megatron TP + SP training on one sequence (the preset's micro-batch): the fused qkv and
-    gate_up weight gradients flatten a batch of one, a view that only drops the batch dim."""
+    gate_up weight gradients flatten a batch of one, a view that only drops the batch dim; at
+    world size 8 each rank holds one head, of a batch of one."""
     case = load_case(EXAMPLES / "llama_sp_train.py")
-    case.module.CONFIG = dataclasses.replace(case.module.CONFIG, batch=1, seq=8, n_layers=1)
+    case.module.CONFIG = dataclasses.replace(case.module.CONFIG, batch=1, seq=seq, n_layers=1)
     _assert_proven(case, world_size)
