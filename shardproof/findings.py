@@ -29,7 +29,8 @@ def confirmed(numeric: Callable[[], NumericResult], findings: list[Finding], ele
     if lead.kind == "mismatched collectives":
         return findings
     if elements > NUMERIC_CHECK_LIMIT:
-        structural = ["" if f.kind != "wrong layout" else None for f in findings]
+        unconfirmed = " [not confirmed numerically: model too large to run]"
+        structural = [unconfirmed if f.kind != "wrong layout" else None for f in findings]
         return _standing(findings, structural, f"{lead.message} (not confirmed: model too large to run)")
     numbers = numeric()
     refuted = [numbers.differs(f.claim) for f in findings]

@@ -98,5 +98,6 @@ def test_too_large_to_run_only_structural_faults_stand() -> None:
     layout, scale = _finding(GRADIENT, "wrong layout", None), _finding(LOSS)
     findings = confirmed(never, [layout, scale], NUMERIC_CHECK_LIMIT + 1)
     assert [(f.claim, f.verdict) for f in findings] == [(LOSS, "discrepancy"), (GRADIENT, "unknown")]
+    assert "not confirmed numerically" in findings[0].message  # the user learns the finding is unchecked
     [alone] = confirmed(never, [layout], NUMERIC_CHECK_LIMIT + 1)
     assert alone.verdict == "unknown" and "too large" in alone.message
