@@ -24,7 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from shardproof.capture.locations import NOT_USER_CODE
+from shardproof.capture.locations import NOT_USER_CODE, tag_autograd_origin
 from shardproof.errors import ShardproofError
 
 
@@ -49,12 +49,15 @@ Decompositions = dict[Any, Callable[..., Any]]  # aten op -> python function of 
 
 
 class _Recorder(TorchDispatchMode):
-    def __init__(self, graph: fx.Graph, root: torch.nn.Module, entry: FrameType, decompositions: Decompositions) -> None:
+    def __init__(
+        self, graph: fx.Graph, root: torch.nn.Module, entry: FrameType | None, decompositions: Decompositions, part: bool
+    ) -> None:
         super().__init__()
         self.decompositions = decompositions
         self.graph = graph
         self.root = root
-        self.entry = entry  # frames from here outwards are not the traced code's
+        self.entry = entry  # frames from here outwards are not the traced code's (None: all are)
+        self.part = part  # see `record`
         self.nodes: dict[int, tuple[torch.Tensor, fx.Node]] = {}  # id -> (tensor kept alive, its node)
         self.constants = 0
 
@@ -103,6 +106,8 @@ class _Recorder(TorchDispatchMode):
         where = self.where()
         if where:
             node.meta["stack_trace"] = where
+        if self.part:
+            tag_autograd_origin(node, sys._getframe(1))
         self.bind_all(out, node)
         return out
 
@@ -144,24 +149,31 @@ def record(
     inputs: list[torch.Tensor],
     before_retry: Callable[[], None] = lambda: None,
     decompositions: Decompositions | None = None,
+    part: bool = False,
+    on_meta: bool = True,
 ) -> tuple[Traced, list[torch.Tensor]]:
     """Run `fn(*inputs)` (`inputs` fake), recording its ops (`decompositions` broken into smaller
-    ones, as make_fx's table does): (graph, its outputs as fake tensors).
+    ones, as make_fx's table does): (graph, its outputs as fake tensors). A `part` of a larger
+    program (a module call) is located by the frames of its caller too, and its backward formulas
+    (it may differentiate) are tagged as make_fx's under `autograd_origins` are.
 
-    It runs on meta tensors, outside fake mode, several times faster; code that meta tensors
-    cannot run (a constant made on the cpu, say) runs again under fake mode, after `before_retry`
-    (which undoes what the failed run left behind)."""
+    It runs on meta tensors, outside fake mode, several times faster (unless not `on_meta`: code
+    that must see that it is traced, as functional collectives must to return plain tensors);
+    code that meta tensors cannot run (a constant made on the cpu, say) runs again under fake
+    mode, after `before_retry` (which undoes what the failed run left behind)."""
+    if not on_meta:
+        return _record(fn, inputs, decompositions or {}, part)
     try:
         with unset_fake_temporarily():
             twins = [_twin(t, "meta") for t in inputs]
-            gm, outputs = _record(fn, twins, decompositions or {})
+            gm, outputs = _record(fn, twins, decompositions or {}, part)
         device = inputs[0].device if inputs else "cpu"
         return gm, [_twin(t, device) for t in outputs]
     except (ShardproofError, NotPlain):
         raise
     except Exception:  # noqa: BLE001 - not meta-friendly code: record it on fake tensors
         before_retry()
-        return _record(fn, inputs, decompositions or {})
+        return _record(fn, inputs, decompositions or {}, part)
 
 
 def _twin(tensor: torch.Tensor, device: str | torch.device) -> torch.Tensor:
@@ -172,10 +184,10 @@ def _twin(tensor: torch.Tensor, device: str | torch.device) -> torch.Tensor:
 
 
 def _record(
-    fn: Callable[..., list[torch.Tensor]], inputs: list[torch.Tensor], decompositions: Decompositions
+    fn: Callable[..., list[torch.Tensor]], inputs: list[torch.Tensor], decompositions: Decompositions, part: bool
 ) -> tuple[Traced, list[torch.Tensor]]:
     graph, root = fx.Graph(), torch.nn.Module()
-    recorder = _Recorder(graph, root, sys._getframe(), decompositions)
+    recorder = _Recorder(graph, root, None if part else sys._getframe(), decompositions, part)
     for i, tensor in enumerate(inputs):
         placeholder = graph.placeholder(f"arg{i}")
         placeholder.meta["val"] = tensor

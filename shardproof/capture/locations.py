@@ -16,7 +16,7 @@ import re
 import sys
 import traceback
 from pathlib import Path
-from types import CodeType, SimpleNamespace
+from types import CodeType, FrameType, SimpleNamespace
 from typing import Any, Callable, Iterator
 
 import torch
@@ -69,11 +69,7 @@ def autograd_origins() -> Iterator[None]:
 
     def create_node(self: PythonKeyTracer, *args: Any, **kwargs: Any) -> fx.Node:
         node = original(self, *args, **kwargs)
-        running = torch._C._current_autograd_node()
-        if running is None:
-            node.meta[_FORWARD_SEQ] = torch.autograd._get_sequence_nr() - 1
-        elif not _user_code_below_engine():
-            node.meta[_GRAD_OF] = running._sequence_nr()
+        tag_autograd_origin(node, sys._getframe(1))
         return node
 
     PythonKeyTracer.create_node = create_node
@@ -83,9 +79,17 @@ def autograd_origins() -> Iterator[None]:
         PythonKeyTracer.create_node = original
 
 
-def _user_code_below_engine() -> bool:
+def tag_autograd_origin(node: fx.Node, frame: FrameType) -> None:
+    """Tag a node just traced (its op issued below `frame`) with its place in autograd (see `autograd_origins`)."""
+    running = torch._C._current_autograd_node()
+    if running is None:
+        node.meta[_FORWARD_SEQ] = torch.autograd._get_sequence_nr() - 1
+    elif not _user_code_below_engine(frame):
+        node.meta[_GRAD_OF] = running._sequence_nr()
+
+
+def _user_code_below_engine(frame: FrameType | None) -> bool:
     """Whether the current op comes from Python that autograd's engine called (a custom backward, a hook)."""
-    frame = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
         if frame.f_code.co_name == "_engine_run_backward" and name.startswith(_TORCH_DIR):

@@ -273,7 +273,7 @@ def _trace(
     def lower(gm: Traced | fx.GraphModule, names: list[str], ops: list[str]) -> Graph:
         return Lowerer(gm, names, locator(gm), ops, _group_ranks, rank).run()
 
-    return trace_with_memo(model, reduce_ops, trace, leaf_names, lower, program.differentiates)
+    return trace_with_memo(model, reduce_ops, trace, leaf_names, lower, program.differentiates, _DECOMPOSED)
 
 
 def _give_up() -> None:

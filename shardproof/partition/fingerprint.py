@@ -11,8 +11,6 @@ Under fake tensors, the ops a module call records are a function of
   4. its non-tensor arguments;
   5. ambient state: grad mode, inference mode, default dtype (in the key), and the process group,
      fixed for a whole trace (one key space per trace, so never shared between ranks).
-When the trace computes gradients, a call that reads a tensor requiring grad (grad mode on) has
-no key: a copy stands in without autograd, so a gradient through it would be lost.
 Two calls with equal keys record the same graph; a copy's graph is the first call's graph applied
 to the copy's tensors. Plain data (numbers, strings, tuples, lists, dicts, sets, dataclasses,
 enums, dtypes, devices) is compared by value; anything else (functions, other objects, plain
@@ -116,11 +114,8 @@ def _module_key(module: nn.Module, known: dict[int, Hashable] | None) -> Hashabl
     return (type(module), tuple(attrs), tuple(children))
 
 
-def call_key(
-    module: nn.Module, args: tuple, kwargs: dict, gradients: bool = True
-) -> tuple[Hashable, list[torch.Tensor]] | None:
+def call_key(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Hashable, list[torch.Tensor]] | None:
     """(key, flat tensors the call reads) for a call of `module`, or None if no copy may stand in for it.
-    `gradients`: the trace differentiates through the call (see the module docstring).
 
     The flat tensors are the arguments' tensors in pytree order, then the module tree's state in
     `module_state` order: a copy's graph is bound to them position by position."""
@@ -141,8 +136,6 @@ def call_key(
             leaf_keys.append(meta)
         else:
             leaf_keys.append(value_key(leaf))
-    if gradients and torch.is_grad_enabled() and any(t.requires_grad for t in flat):
-        return None
     first: dict[int, int] = {}
     same = tuple(first.setdefault(id(t), i) for i, t in enumerate(flat))
     ambient = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.get_default_dtype())

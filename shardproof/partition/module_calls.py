@@ -11,6 +11,11 @@ Checks that keep this sound: a first call that changes its module's state, write
 returns tensors sharing memory with its inputs or mutable non-tensor values is never reused; one whose
 ops read a traced value that is not among its inputs (a tensor held outside the module) makes the
 trace start over without reuse for that kind.
+
+A call that gradients flow through (training) is not traced inline even the first time: every call
+of its kind runs as a `_Differentiated` autograd Function recording one `call` op forward and one
+backward, over the kind's forward and VJP templates (see `vjp`); autograd then routes the
+gradients through the copies as through the module.
 """
 
 from __future__ import annotations
@@ -24,12 +29,13 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from shardproof.capture.dispatch_trace import Traced
+from shardproof.capture.dispatch_trace import Decompositions, Traced
 from shardproof.capture.locations import locate
 from shardproof.ir import from_fx
 from shardproof.ir.graph import Graph
 from shardproof.partition.fingerprint import PLAIN_DATA, WRAPPED, call_key, module_key, tensor_key
 from shardproof.partition.templates import Template, argument_names
+from shardproof.partition.vjp import Apart, Recorded, record_apart, shares_memory
 
 Lower = Callable[[Traced | fx.GraphModule, list[str], list[str]], Graph]  # (graph, leaf names, reduce ops) -> IR
 
@@ -86,14 +92,43 @@ class Region:
 
 
 @dataclass
+class Differentiated:
+    """A kind of call gradients flow through: its graphs recorded apart, the region ids of its
+    forward and VJP templates, and the module that made its first call."""
+
+    apart: Apart
+    module: str
+    forward: int = field(default_factory=lambda: next(_ids))
+    backward: int = field(default_factory=lambda: next(_ids))
+
+
+class _Differentiated(torch.autograd.Function):
+    """A copy of a call gradients flow through: one `call` op forward, one over the VJP backward."""
+
+    @staticmethod
+    def forward(ctx: Any, kind: Differentiated, sites: tuple[int, int], *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.kind, ctx.site = kind, sites[1]
+        ctx.save_for_backward(*flat)
+        return tuple(torch.ops.shardproof.call(list(flat), kind.forward, sites[0]))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        inputs = [*ctx.saved_tensors, *(g.contiguous() for g in grads)]  # the VJP was recorded on contiguous ones
+        found = iter(torch.ops.shardproof.call(inputs, ctx.kind.backward, ctx.site))
+        return (None, None, *(next(found) if graded else None for graded in ctx.kind.apart.graded))
+
+
+@dataclass
 class CallMemo:
     """Wraps the forwards of a model's repeated modules for one trace (use as a context manager)."""
 
     root: nn.Module
     reduce_ops: list[str]  # the trace's record of in-place collective ReduceOps (appended by capture)
-    gradients: bool  # the trace differentiates: calls reading grad-requiring tensors are not reused
+    gradients: bool  # the trace differentiates: calls reading grad-requiring tensors are differentiated
+    decompositions: Decompositions  # composite ops broken up as in the trace (in graphs recorded apart)
     excluded: set[Hashable] = field(default_factory=set)
     regions: dict[Hashable, Region] = field(default_factory=dict)
+    differentiated: dict[Hashable, Differentiated | None] = field(default_factory=dict)  # None: traced inline
     sites: list[int] = field(default_factory=list)  # ids of the calls answered from a region
     _wrapped: list[tuple[nn.Module, Any]] = field(default_factory=list)
 
@@ -115,20 +150,19 @@ class CallMemo:
         # not named `forward`: make_fx keeps `forward` frames in stack traces, and a source
         # location is the innermost kept frame outside torch: the user's, not this one
         def reused_or_traced(*args: Any, **kwargs: Any) -> Any:
-            found = call_key(module, args, kwargs, self.gradients)
+            found = call_key(module, args, kwargs)
             if found is None or found[0] in self.excluded:
                 return original(*args, **kwargs)
             key, flat = found
+            if self.gradients and torch.is_grad_enabled() and any(t.requires_grad for t in flat):
+                return self._differentiated(key, name, module, flat, original, args, kwargs)
             region = self.regions.get(key)
             if region is None:
                 return self._first(key, name, module, flat, original, args, kwargs)
             if not region.reusable:
                 return original(*args, **kwargs)
             region.copies += 1
-            site = next(_ids)
-            self.sites.append(site)
-            _SITES[site] = name
-            outputs = iter(torch.ops.shardproof.call(flat, region.id, site))
+            outputs = iter(torch.ops.shardproof.call(flat, region.id, self._site(name)))
             return tree_unflatten([next(outputs) if leaf is _TENSOR else leaf for leaf in region.leaves], region.spec)
 
         setattr(reused_or_traced, WRAPPED, original)
@@ -150,7 +184,7 @@ class CallMemo:
             module_key(module) == state_before
             and versions == [t._version for t in flat]
             and all(tensor_key(t) is not None for t in tensors)
-            and not _shares_memory(tensors, flat)
+            and not shares_memory(tensors, flat)
             and all(isinstance(leaf, (torch.Tensor, *PLAIN_DATA)) for leaf in leaves)
         )
         if reusable:
@@ -159,10 +193,34 @@ class CallMemo:
         self.regions[key] = Region(region_id, key, name, spec, marked, list(self.reduce_ops[issued:]), reusable)
         return out
 
+    def _differentiated(
+        self, key: Hashable, name: str, module: nn.Module, flat: list[torch.Tensor], original: Callable, args: tuple, kwargs: dict
+    ) -> Any:
+        if key not in self.differentiated:
+            apart = record_apart(module, original, args, kwargs, flat, self.reduce_ops, self.decompositions)
+            kind = None if apart is None else Differentiated(apart, name)
+            for region, recorded in ((kind.forward, apart.forward), (kind.backward, apart.backward)) if kind else ():
+                _OUTPUTS[region] = [(tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for t in recorded.outputs]
+            self.differentiated[key] = kind
+        kind = self.differentiated[key]
+        if kind is None:
+            return original(*args, **kwargs)
+        sites = (self._site(name), self._site(f"{name} (backward)"))
+        outputs = iter(_Differentiated.apply(kind, sites, *flat))
+        leaves = [next(outputs) if isinstance(leaf, torch.Tensor) else leaf for leaf in kind.apart.leaves]
+        return tree_unflatten(leaves, kind.apart.spec)
+
+    def _site(self, module: str) -> int:
+        site = next(_ids)
+        self.sites.append(site)
+        _SITES[site] = module
+        return site
+
     def lower(self, gm: Traced | fx.GraphModule, leaf_names: list[str], lower: Lower) -> Graph:
         """IR of the traced graph: templates of the reused regions first, then the graph with calls."""
         by_id = {r.id: r for r in self.regions.values() if r.copies}
         try:
+            self._lower_differentiated(gm, lower)
             for region_id, (enter, body, outputs) in _regions(gm.graph, set(by_id)).items():
                 region, inputs = by_id[region_id], list(enter.args[0])
                 sub = _subgraph(gm, inputs, body, outputs, region.key)
@@ -172,11 +230,34 @@ class CallMemo:
         finally:
             self.forget()
 
+    def _lower_differentiated(self, gm: Traced | fx.GraphModule, lower: Lower) -> None:
+        """The templates of the differentiated kinds, each located where its first copy was called
+        (kinds called inside another's templates come first: they were recorded first)."""
+        kinds = [kind for kind in self.differentiated.values() if kind is not None]
+        first_site = {}
+        for graph in [gm.graph, *(recorded.graph.graph for k in kinds for recorded in (k.apart.forward, k.apart.backward))]:
+            for node in graph.nodes:
+                if node.target is torch.ops.shardproof.call.default:
+                    first_site.setdefault(node.args[1], node)
+        for kind in kinds:
+            if kind is None or kind.forward not in first_site:
+                continue
+            site = locate(first_site[kind.forward])
+            for region, recorded, inputs in ((kind.forward, kind.apart.forward, len(kind.apart.graded)),
+                                             (kind.backward, kind.apart.backward, len(kind.apart.graded) + len(kind.apart.forward.outputs))):
+                graph = lower(recorded.graph, argument_names(inputs), recorded.reduce_ops)
+                _TEMPLATES[region] = Template(kind.module, graph, site)
+
     def forget(self) -> None:
         """Drop every call recorded so far (the trace starts over, or is done)."""
         for region in self.regions.values():
             _TEMPLATES.pop(region.id, None)
             _OUTPUTS.pop(region.id, None)
+        for kind in filter(None, self.differentiated.values()):
+            for region in (kind.forward, kind.backward):
+                _TEMPLATES.pop(region, None)
+                _OUTPUTS.pop(region, None)
+        self.differentiated.clear()
         for site in self.sites:
             _SITES.pop(site, None)
         self.regions.clear()
@@ -187,14 +268,21 @@ Tracer = Callable[[Callable[[], None]], Traced | fx.GraphModule]  # given a rest
 
 
 def trace_with_memo(
-    root: nn.Module | None, reduce_ops: list[str], trace: Tracer, leaf_names: list[str], lower: Lower, gradients: bool
+    root: nn.Module | None,
+    reduce_ops: list[str],
+    trace: Tracer,
+    leaf_names: list[str],
+    lower: Lower,
+    gradients: bool,
+    decompositions: Decompositions,
 ) -> Graph:
     """Trace with repeated module calls of `root` reused (None: plain trace), then lower to IR.
 
     `trace` calls its argument before it runs the function again in the same trace (a tracer that
     gave up halfway): that forgets the calls and collectives recorded so far. `gradients`: the
-    traced function differentiates (then calls that gradients flow through are traced every
-    time). A kind whose first call turns out to read outside values is excluded and the trace redone."""
+    traced function differentiates (then calls that gradients flow through are differentiated,
+    their graphs recorded apart with `decompositions`). A kind whose first call turns out to read
+    outside values is excluded and the trace redone."""
     recorded_before = len(reduce_ops)
 
     def forget_collectives() -> None:
@@ -205,7 +293,7 @@ def trace_with_memo(
     excluded: set[Hashable] = set()
     while True:
         forget_collectives()
-        with CallMemo(root, reduce_ops, gradients, excluded) as memo:
+        with CallMemo(root, reduce_ops, gradients, decompositions, excluded) as memo:
 
             def restart() -> None:
                 forget_collectives()
@@ -227,11 +315,6 @@ def repeated_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
         if key is not None:
             counts[key] = counts.get(key, 0) + 1
     return [(name, module) for name, module, key in keyed if key is not None and counts[key] > 1]
-
-
-def _shares_memory(outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> bool:
-    storages = {t.untyped_storage()._cdata for t in inputs}
-    return any(t.untyped_storage()._cdata in storages for t in outputs)
 
 
 def _regions(graph: fx.Graph, wanted: set[int]) -> dict[int, tuple[fx.Node, list[fx.Node], list[fx.Node]]]:
