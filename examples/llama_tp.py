@@ -17,6 +17,13 @@ Distributed (this file), per rank, on the default process group:
   - RMSNorm weights replicated.
 `shard_state` builds each rank's tensors from the reference checkpoint with slicing/chunk/cat only.
 
+Training (`--train`, loss: mean square of the logits): each collective is wrapped in Megatron's
+autograd mapping, so the forward is the same ops and the backward is Megatron-LM's: the input of
+every column-parallel layer has its gradient all-reduced (`copy_to_tensor_model_parallel_region`),
+the all-reduce after a row-parallel layer passes its gradient through, and the logits' all-gather
+keeps this rank's slice of the gradient. The embedding table is frozen (its gradient is an
+index_put the prover has no rule for), in the reference and the ranks alike.
+
 `shardproof --preset llama3-8b` (or llama3.1-405b) replaces the module global CONFIG; every
 function below reads CONFIG when called.
 """
@@ -79,6 +86,56 @@ def _local_heads(config: LlamaConfig, rank: int, world_size: int) -> tuple[int, 
 
 
 # --------------------------------------------------------------------------------------------
+# Megatron-LM's autograd mappings around the collectives
+
+
+class _CopyToTensorParallelRegion(torch.autograd.Function):
+    """Identity forward; the input's gradient is all-reduced (it is partial on every rank)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+class _ReduceFromTensorParallelRegion(torch.autograd.Function):
+    """All-reduce forward (in place, as vLLM does); the gradient passes through."""
+
+    @staticmethod
+    def forward(ctx, x):
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _GatherFromTensorParallelRegion(torch.autograd.Function):
+    """All-gather along the last dim; the backward keeps this rank's slice of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x):
+        gathered = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, x)
+        return torch.cat(gathered, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(dist.get_world_size(), dim=-1)[dist.get_rank()].contiguous()
+
+
+copy_to_tensor_parallel_region = _CopyToTensorParallelRegion.apply
+reduce_from_tensor_parallel_region = _ReduceFromTensorParallelRegion.apply
+gather_from_tensor_parallel_region = _GatherFromTensorParallelRegion.apply
+
+
+# --------------------------------------------------------------------------------------------
 # parallel layers
 
 
@@ -87,15 +144,14 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         per_rank = config.vocab // world_size
         self.vocab_start, self.vocab_end = rank * per_rank, (rank + 1) * per_rank
-        self.weight = nn.Parameter(torch.empty(per_rank, config.hidden))
+        self.weight = nn.Parameter(torch.empty(per_rank, config.hidden), requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         input_mask = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
         masked_input = (input_ids - self.vocab_start).masked_fill(input_mask, 0)
         output_parallel = F.embedding(masked_input, self.weight)
         output_parallel = output_parallel.masked_fill(input_mask.unsqueeze(-1), 0.0)
-        dist.all_reduce(output_parallel)
-        return output_parallel
+        return reduce_from_tensor_parallel_region(output_parallel)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -106,7 +162,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(local_out, in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(copy_to_tensor_parallel_region(x), self.weight)
 
 
 class RowParallelLinear(nn.Module):
@@ -117,9 +173,7 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, local_in))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
-        dist.all_reduce(y)
-        return y
+        return reduce_from_tensor_parallel_region(F.linear(x, self.weight))
 
 
 class ParallelLMHead(nn.Module):
@@ -127,14 +181,10 @@ class ParallelLMHead(nn.Module):
 
     def __init__(self, config: LlamaConfig, world_size: int):
         super().__init__()
-        self.world_size = world_size
         self.weight = nn.Parameter(torch.empty(config.vocab // world_size, config.hidden))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x, self.weight).contiguous()
-        gathered = [torch.empty_like(logits) for _ in range(self.world_size)]
-        dist.all_gather(gathered, logits)
-        return torch.cat(gathered, dim=-1)
+        return gather_from_tensor_parallel_region(F.linear(copy_to_tensor_parallel_region(x), self.weight).contiguous())
 
 
 class TPAttention(nn.Module):
@@ -208,7 +258,9 @@ class LlamaTP(nn.Module):
 
 
 def reference() -> nn.Module:
-    return LlamaReference(CONFIG)
+    model = LlamaReference(CONFIG)
+    model.embed_tokens.weight.requires_grad_(False)
+    return model
 
 
 def distributed(rank: int, world_size: int) -> nn.Module:
@@ -217,6 +269,10 @@ def distributed(rank: int, world_size: int) -> nn.Module:
 
 def inputs() -> tuple:
     return token_inputs(CONFIG)
+
+
+def loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    return logits.pow(2).mean()
 
 
 def shard_state(ref_state: dict, rank: int, world_size: int) -> dict:

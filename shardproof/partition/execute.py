@@ -22,6 +22,7 @@ from typing import Callable, Hashable
 from shardproof.ir.graph import BOUND_LEAF_PREFIX, Graph
 from shardproof.ir.ops import OPS
 from shardproof.partition.boundary import Boundary, NotPartitioned, build_entries, read_boundary, transplant
+from shardproof.partition.gradients import over_reference_gradients
 from shardproof.partition.templates import Template, expand
 from shardproof.relations.diagnose import grounded
 from shardproof.relations.execute import CollectiveMismatch, Execution, resolve_collective, term_of
@@ -150,12 +151,12 @@ def prove_call(boundary: Boundary, reference: Template, ranks: list[Template]) -
     rank_terms = run_ranks(rules, graphs, bound, [], CallProofs())
     leaves = [terms[i] for i, entry in enumerate(boundary.entries) if entry[0] == "cut"]
     leaves += [terms[i] for i, entry in enumerate(boundary.entries) if entry[0] == "free"]
-    return CallProof(
-        rules,
-        leaves,
-        [ref_terms[i] for i in ref_graph.outputs],
-        [[terms_r[i] for i in g.outputs] for g, terms_r in zip(graphs, rank_terms)],
-    )
+    ref_outputs = [ref_terms[i] for i in ref_graph.outputs]
+    rank_outputs = [
+        over_reference_gradients(rules, boundary, (reference, ref_outputs), (template, r, [terms_r[i] for i in g.outputs]))
+        for r, (template, g, terms_r) in enumerate(zip(ranks, graphs, rank_terms))
+    ]
+    return CallProof(rules, leaves, ref_outputs, rank_outputs)
 
 
 def _bindings(entries: tuple[int, ...], terms: list[int]) -> Bindings:

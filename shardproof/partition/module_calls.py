@@ -35,7 +35,7 @@ from shardproof.ir import from_fx
 from shardproof.ir.graph import Graph
 from shardproof.partition.fingerprint import PLAIN_DATA, WRAPPED, call_key, module_key, tensor_key
 from shardproof.partition.templates import Template, argument_names
-from shardproof.partition.vjp import Apart, Recorded, record_apart, shares_memory
+from shardproof.partition.vjp import Apart, record_apart, shares_memory
 
 Lower = Callable[[Traced | fx.GraphModule, list[str], list[str]], Graph]  # (graph, leaf names, reduce ops) -> IR
 
@@ -242,11 +242,13 @@ class CallMemo:
         for kind in kinds:
             if kind is None or kind.forward not in first_site:
                 continue
-            site = locate(first_site[kind.forward])
-            for region, recorded, inputs in ((kind.forward, kind.apart.forward, len(kind.apart.graded)),
-                                             (kind.backward, kind.apart.backward, len(kind.apart.graded) + len(kind.apart.forward.outputs))):
-                graph = lower(recorded.graph, argument_names(inputs), recorded.reduce_ops)
-                _TEMPLATES[region] = Template(kind.module, graph, site)
+            site, apart = locate(first_site[kind.forward]), kind.apart
+            arguments = len(apart.graded)
+            forward = lower(apart.forward.graph, argument_names(arguments), apart.forward.reduce_ops)
+            _TEMPLATES[kind.forward] = Template(kind.module, forward, site)
+            backward = lower(apart.backward.graph, argument_names(arguments + len(forward.outputs)), apart.backward.reduce_ops)
+            graded = tuple(i for i, has_gradient in enumerate(apart.graded) if has_gradient)
+            _TEMPLATES[kind.backward] = Template(kind.module, backward, site, graded)
 
     def forget(self) -> None:
         """Drop every call recorded so far (the trace starts over, or is done)."""

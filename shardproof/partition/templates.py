@@ -8,7 +8,7 @@ in order, and may itself contain calls.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from shardproof.ir.graph import Graph, Location, Node
@@ -16,13 +16,14 @@ from shardproof.ir.graph import Graph, Location, Node
 
 @dataclass(eq=False)
 class Template:
-    """The graph of the first call of one kind of module call; `module` names that first module,
-    `site` is where it was called. An op located at `site` has no user line of its own inside the
+    """The graph of the first call of one kind of module call (or its vector-Jacobian product);
+    `module` names that first module, `site` is where it was called. An op located at `site` has no user line of its own inside the
     module (nn.Linear's matmul, say): in a copy, it is located where the copy is called."""
 
     module: str
     graph: Graph
     site: Location | None = None
+    gradient_of: tuple[int, ...] | None = None  # a VJP's: the argument each output is the gradient of
     _expanded: Graph | None = field(default=None, repr=False)
 
     def op_count(self) -> int:
@@ -71,7 +72,10 @@ def _inline(out: Graph, template: Template, inputs: tuple[int, ...], site: Locat
             new_id.append(inputs[argument_index(node.attrs[0])])
         else:
             args = tuple(new_id[i] for i in node.inputs)
-            loc = site if node.loc == template.site else node.loc
+            loc = node.loc
+            if site is not None and loc is not None and template.site is not None and loc.line == template.site.line \
+                    and loc.file == template.site.file:  # a backward op keeps its mark
+                loc = replace(site, backward=loc.backward)
             new_id.append(out.add(node.op, args, node.attrs, node.shape, node.dtype, node.name, loc))
     return [new_id[i] for i in body.outputs]
 

@@ -1,0 +1,82 @@
+"""A rank's gradients out of a backward call, written over the reference call's gradients.
+
+A proof call by call carries a rank's outputs back over the reference call's outputs, which stand
+opaque outside the call: an output not built from them structurally cannot be compared with
+anything after the call. Parameter gradients often are not, by normal form alone: the rank's
+gradient of its fused qkv shard is a cat of slices of three matmuls, the reference's one matmul
+over the fused gradient. Equal by saturation, though, to the candidate the layout suggests: a rank
+argument built from the reference's arguments by slices and cats has as gradient the same slices
+and cats of the reference's gradients. Each candidate is kept only where `prove_equal` proves it,
+so nothing is assumed.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from shardproof.egraph.saturate import prove_equal
+from shardproof.partition.boundary import Boundary
+from shardproof.partition.templates import Template
+from shardproof.relations.rules import Rules
+
+
+def over_reference_gradients(
+    rules: Rules,
+    boundary: Boundary,
+    reference: tuple[Template, list[int]],
+    rank: tuple[Template, int, list[int]],
+) -> list[int]:
+    """The rank's outputs (`rank`: its VJP template, its index in the boundary, its output terms),
+    each replaced by its candidate where the two are proven equal. `reference`: the reference's VJP
+    template and output terms."""
+    template, index, outputs = rank
+    ref_template, ref_outputs = reference
+    if template.gradient_of is None or ref_template.gradient_of is None:
+        return outputs
+    uses = Counter(boundary.reference_args)  # an argument passed twice has the sum of two gradients
+    gradient = {
+        boundary.reference_args[arg]: out
+        for arg, out in zip(ref_template.gradient_of, ref_outputs)
+        if uses[boundary.reference_args[arg]] == 1
+    }
+    args = boundary.rank_args[index]
+    return [
+        _proven(rules, boundary, gradient, args[arg], out) for arg, out in zip(template.gradient_of, outputs)
+    ]
+
+
+def _proven(rules: Rules, boundary: Boundary, gradient: dict[int, int], entry: int, out: int) -> int:
+    """`out`, or the candidate for the gradient of the argument at boundary `entry` if proven equal:
+    built as it is (slices of the reference's gradients: grounded), compared in normal form."""
+    built: dict[int, tuple[int, int] | None] = {}  # entry -> (candidate as built, in normal form)
+
+    def candidate(e: int) -> tuple[int, int] | None:
+        if e not in built:
+            found = boundary.entries[e]
+            if found[0] in ("cut", "free"):
+                term = gradient.get(e)
+                built[e] = None if term is None else (term, term)
+            else:
+                op, attrs, shape, dtype, children = found
+                parts = [candidate(c) for c in children]
+                built[e] = None if None in parts else (
+                    rules.literal(op, tuple(p[0] for p in parts), attrs, shape, dtype),
+                    _normal(rules, found, [p[1] for p in parts]),
+                )
+        return built[e]
+
+    wanted = candidate(entry)
+    if wanted is None or not (wanted[1] == out or prove_equal(rules.u, out, wanted[1])):
+        return out
+    return wanted[0]
+
+
+def _normal(rules: Rules, entry: tuple, parts: list[int]) -> int:
+    """The entry's op over `parts` in normal form where it is a layout op, as the rank's terms are
+    (a slice pushed into what it slices)."""
+    op, attrs, shape, dtype, _ = entry
+    if op == "slice":
+        return rules.slice(parts[0], attrs[0])
+    if op == "cat":
+        return rules.cat(parts, attrs[0])
+    return rules.literal(op, tuple(parts), attrs, shape, dtype)
