@@ -161,8 +161,8 @@ def record(
     that must see that it is traced, as functional collectives must to return plain tensors);
     code that meta tensors cannot run (a constant made on the cpu, say) runs again under fake
     mode, after `before_retry` (which undoes what the failed run left behind)."""
-    if not on_meta:
-        return _record(fn, inputs, decompositions or {}, part)
+    if not on_meta:  # on twins still: autograd must not reach the inputs (nor fire their hooks)
+        return _record(fn, [_twin(t, t.device) for t in inputs], decompositions or {}, part)
     try:
         with unset_fake_temporarily():
             twins = [_twin(t, "meta") for t in inputs]
