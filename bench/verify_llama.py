@@ -64,12 +64,14 @@ def measure(
     memo: bool = True,
     backend: str = "none",
     batch: int | None = None,
+    case_file: Path | None = None,
 ) -> dict[str, Any]:
-    """Verify one configuration in this process; return the Row fields."""
+    """Verify one configuration in this process (`case_file`: the mode's case, unless given);
+    return the Row fields."""
     from shardproof.api import verify
     from shardproof.case import load_case
 
-    case = load_case(CASES[mode])
+    case = load_case(case_file or CASES[mode])
     if preset is not None:
         case.use_preset(preset)
     config = case.module.CONFIG
@@ -103,9 +105,10 @@ def run_configuration(
     memo: bool = True,
     backend: str = "none",
     batch: int | None = None,
+    case_file: Path | None = None,
 ) -> Row:
     """Measure one configuration in a fresh spawned process; failures become the row's verdict."""
-    status, payload = run_in_child(measure, (world_size, layers, preset, mode, memo, backend, batch), timeout)
+    status, payload = run_in_child(measure, (world_size, layers, preset, mode, memo, backend, batch, case_file), timeout)
     if status == "ok":
         return Row(world_size, layers, **payload)
     return Row(world_size, layers, status, note=payload)
