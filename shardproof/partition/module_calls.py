@@ -13,7 +13,7 @@ ops read a traced value that is not among its inputs (a tensor held outside the 
 trace start over without reuse for that kind.
 
 A call that gradients flow through (training) is not traced inline even the first time: every call
-of its kind runs as a `_Differentiated` autograd Function recording one `call` op forward and one
+of its kind runs as a `_DifferentiatedCall` autograd Function recording one `call` op forward and one
 backward, over the kind's forward and VJP templates (see `vjp`); autograd then routes the
 gradients through the copies as through the module.
 """
@@ -102,7 +102,7 @@ class Differentiated:
     backward: int = field(default_factory=lambda: next(_ids))
 
 
-class _Differentiated(torch.autograd.Function):
+class _DifferentiatedCall(torch.autograd.Function):
     """A copy of a call gradients flow through: one `call` op forward, one over the VJP backward."""
 
     @staticmethod
@@ -131,6 +131,7 @@ class CallMemo:
     differentiated: dict[Hashable, Differentiated | None] = field(default_factory=dict)  # None: traced inline
     sites: list[int] = field(default_factory=list)  # ids of the calls answered from a region
     _wrapped: list[tuple[nn.Module, Any]] = field(default_factory=list)
+    _apart: int = 0  # graphs being recorded apart: calls inside them not differentiated are traced inline
 
     def __enter__(self) -> CallMemo:
         for name, module in repeated_modules(self.root):
@@ -156,6 +157,8 @@ class CallMemo:
             key, flat = found
             if self.gradients and torch.is_grad_enabled() and any(t.requires_grad for t in flat):
                 return self._differentiated(key, name, module, flat, original, args, kwargs)
+            if self._apart:  # a region's markers there would be lowered with no template
+                return original(*args, **kwargs)
             region = self.regions.get(key)
             if region is None:
                 return self._first(key, name, module, flat, original, args, kwargs)
@@ -197,18 +200,29 @@ class CallMemo:
         self, key: Hashable, name: str, module: nn.Module, flat: list[torch.Tensor], original: Callable, args: tuple, kwargs: dict
     ) -> Any:
         if key not in self.differentiated:
-            apart = record_apart(module, original, args, kwargs, flat, self.reduce_ops, self.decompositions)
-            kind = None if apart is None else Differentiated(apart, name)
-            for region, recorded in ((kind.forward, apart.forward), (kind.backward, apart.backward)) if kind else ():
-                _OUTPUTS[region] = [(tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for t in recorded.outputs]
-            self.differentiated[key] = kind
+            self.differentiated[key] = self._recorded_apart(name, module, flat, original, args, kwargs)
         kind = self.differentiated[key]
         if kind is None:
             return original(*args, **kwargs)
         sites = (self._site(name), self._site(f"{name} (backward)"))
-        outputs = iter(_Differentiated.apply(kind, sites, *flat))
+        outputs = iter(_DifferentiatedCall.apply(kind, sites, *flat))
         leaves = [next(outputs) if isinstance(leaf, torch.Tensor) else leaf for leaf in kind.apart.leaves]
         return tree_unflatten(leaves, kind.apart.spec)
+
+    def _recorded_apart(
+        self, name: str, module: nn.Module, flat: list[torch.Tensor], original: Callable, args: tuple, kwargs: dict
+    ) -> Differentiated | None:
+        self._apart += 1
+        try:
+            apart = record_apart(module, original, args, kwargs, flat, self.reduce_ops, self.decompositions)
+        finally:
+            self._apart -= 1
+        if apart is None:
+            return None
+        kind = Differentiated(apart, name)
+        for region, recorded in ((kind.forward, apart.forward), (kind.backward, apart.backward)):
+            _OUTPUTS[region] = [(tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for t in recorded.outputs]
+        return kind
 
     def _site(self, module: str) -> int:
         site = next(_ids)
@@ -240,7 +254,7 @@ class CallMemo:
                 if node.target is torch.ops.shardproof.call.default:
                     first_site.setdefault(node.args[1], node)
         for kind in kinds:
-            if kind is None or kind.forward not in first_site:
+            if kind.forward not in first_site:  # recorded in a run that failed and was recorded again
                 continue
             site, apart = locate(first_site[kind.forward]), kind.apart
             arguments = len(apart.graded)

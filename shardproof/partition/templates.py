@@ -17,8 +17,9 @@ from shardproof.ir.graph import Graph, Location, Node
 @dataclass(eq=False)
 class Template:
     """The graph of the first call of one kind of module call (or its vector-Jacobian product);
-    `module` names that first module, `site` is where it was called. An op located at `site` has no user line of its own inside the
-    module (nn.Linear's matmul, say): in a copy, it is located where the copy is called."""
+    `module` names that first module, `site` is where it was called. An op located at `site` has
+    no user line of its own inside the module (nn.Linear's matmul, say): in a copy, it is located
+    where the copy is called (marked as a backward op still, if it is one)."""
 
     module: str
     graph: Graph
@@ -73,11 +74,14 @@ def _inline(out: Graph, template: Template, inputs: tuple[int, ...], site: Locat
         else:
             args = tuple(new_id[i] for i in node.inputs)
             loc = node.loc
-            if site is not None and loc is not None and template.site is not None and loc.line == template.site.line \
-                    and loc.file == template.site.file:  # a backward op keeps its mark
+            if site is not None and _same_line(loc, template.site):
                 loc = replace(site, backward=loc.backward)
             new_id.append(out.add(node.op, args, node.attrs, node.shape, node.dtype, node.name, loc))
     return [new_id[i] for i in body.outputs]
+
+
+def _same_line(a: Location | None, b: Location | None) -> bool:
+    return a is not None and b is not None and (a.file, a.line) == (b.file, b.line)
 
 
 def argument_index(leaf_name: str) -> int:
