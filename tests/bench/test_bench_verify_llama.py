@@ -33,6 +33,13 @@ def test_training_configuration_gives_a_full_row(bench: ModuleType):
     assert row.total is not None and row.distributed_ops > row.reference_ops
 
 
+def test_a_training_step_of_the_tensor_parallel_case_reuses_its_layer_proofs(bench: ModuleType):
+    """What `bench/scale.py --train` measures: examples/llama_tp.py in training mode."""
+    row = bench.run_configuration(2, 3, None, timeout=120, mode="train", case_file=bench.EXAMPLES / "llama_tp.py")
+    assert row.verdict == "equivalent", row.note
+    assert row.calls_reused > 0
+
+
 def test_ratios_skip_failed_configurations(bench: ModuleType):
     rows = [bench.Row(2, 2, "unknown", 1.0, 1.0, 2.0), bench.Row(2, 8, "error", note="boom")]
     assert bench.ratios(rows) == [("time(8 layers) / time(2 layers)", "ws 2", "-", "-")]
