@@ -22,7 +22,10 @@ autograd mapping, so the forward is the same ops and the backward is Megatron-LM
 every column-parallel layer has its gradient all-reduced (`copy_to_tensor_model_parallel_region`),
 the all-reduce after a row-parallel layer passes its gradient through, and the logits' all-gather
 keeps this rank's slice of the gradient. The embedding table is frozen (its gradient is an
-index_put the prover has no rule for), in the reference and the ranks alike.
+index_put the prover has no rule for), in the reference and the ranks alike. Training needs
+n_kv_heads divisible by the world size: a kv head replicated over ranks (vLLM's inference layout)
+gets only its own rank's share of the gradient, and shardproof reports that missing reduction
+(SMALL at world size 4, say).
 
 `shardproof --preset llama3-8b` (or llama3.1-405b) replaces the module global CONFIG; every
 function below reads CONFIG when called.
