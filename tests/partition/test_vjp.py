@@ -3,6 +3,8 @@ and a bug in one layer's backward, or on one rank only, still found (the oracle 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,27 +13,12 @@ from torch import nn
 
 from shardproof import verify
 from shardproof.capture.torch_capture import capture
-from shardproof.case import Case
+from shardproof.case import Case, load_case
 from shardproof.oracle import run_numeric
 from shardproof.prove import prove
 
 HIDDEN, FFN, DEPTH, BAD_LAYER, BAD_RANK = 8, 16, 4, 2, 1  # BAD_LAYER: layer 3 of 4
-
-
-class _CopyToTensorParallel(torch.autograd.Function):
-    """Identity forward; the input's gradient all-reduced, unless `reduce` is off."""
-
-    @staticmethod
-    def forward(ctx, x, reduce):
-        ctx.reduce = reduce
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.reduce:
-            grad = grad.clone()
-            dist.all_reduce(grad)
-        return grad, None
+MEGATRON = load_case(Path(__file__).parents[2] / "examples" / "llama_tp.py").module  # its autograd mappings
 
 
 class _GatherFromTensorParallel(torch.autograd.Function):
@@ -65,15 +52,17 @@ class Block(nn.Module):
 
 class ParallelBlock(Block):
     """`up` column-parallel and gathered, `down` replicated; `reduce_input_grad` off: the
-    backward all-reduce of the norm's output gradient is missing; `wrong_on`: the rank whose
-    gathered gradient is sliced wrong."""
+    backward all-reduce of the norm's output gradient (Megatron's copy to the tensor-parallel
+    region) is missing; `wrong_on`: the rank whose gathered gradient is sliced wrong."""
 
     def __init__(self, world_size: int, reduce_input_grad: bool = True, wrong_on: int | None = None) -> None:
         super().__init__(FFN // world_size)
         self.reduce_input_grad, self.wrong_on = reduce_input_grad, wrong_on
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = _CopyToTensorParallel.apply(self.norm(x), self.reduce_input_grad)
+        h = self.norm(x)
+        if self.reduce_input_grad:
+            h = MEGATRON.copy_to_tensor_parallel_region(h)
         up = _GatherFromTensorParallel.apply(self.up(h), self.wrong_on)
         return x + self.down(F.silu(up))
 
