@@ -82,9 +82,9 @@ def _diagnosed_call(
     in one layer is found at the cost of one layer. A discrepancy, or None (prove it all then)."""
     progress(f"diagnosing call {index}, the first whose outputs differ")
     reference, ranks = aligned(reference, ranks)
-    outputs = len(instances(reference)[index].outputs)
+    call = instances(reference)[index]
     reference, ranks = aligned(through_call(reference, index), [through_call(g, index) for g in ranks], index)
-    checks = [Check(f"output {i} of call {index}", i, i, ("replicate",)) for i in range(outputs)]
+    checks = [Check(f"output {i} of call {index} (`{call.module}`)", i, i, ("replicate",)) for i in range(len(call.outputs))]
     try:
         proof = _judged(lambda: execute_with_calls(reference, ranks, calls), reference, ranks, checks, calls)
     except (NotPartitioned, Unmatched):
