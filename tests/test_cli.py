@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import textwrap
 from pathlib import Path
 
@@ -85,10 +86,11 @@ def test_the_same_case_with_its_all_reduce_is_proven(tmp_path: Path) -> None:
     ],
     ids=["syntax-error", "missing-function", "shape-mismatch", "model-raises"],
 )
-def test_unusable_input_exits_2_with_a_message(tmp_path: Path, capsys, text: str, message: str) -> None:
+def test_unusable_input_exits_2_with_a_message(tmp_path: Path, capsys, caplog, text: str, message: str) -> None:
     assert main(["verify", _case(tmp_path, text), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # torch logs no traceback of its own
 
 
 def test_missing_file_exits_2(capsys) -> None:

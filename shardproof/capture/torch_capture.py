@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -120,7 +121,7 @@ class _Session:
 def _session(case: Case, world_size: int, mode: str) -> Iterator[_Session]:
     if case.source is not None:
         anchor_user_code(case.source_functions, case.source.parent)
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with _fake_tensor_errors_unlogged(), FakeTensorMode(allow_non_fake_inputs=True):
         with _process_group(0, world_size):
             ref_model, ref_state, on_meta = _reference(case, mode)
             ref_inputs = tuple(_build("inputs()", case.inputs))
@@ -128,6 +129,19 @@ def _session(case: Case, world_size: int, mode: str) -> Iterator[_Session]:
         names = [f"state:{n}" for n in ref_state] + [f"input:{i}" for i in range(len(ref_inputs))]
         tensors = [*ref_state.values(), *ref_inputs]
         yield _Session(case, world_size, program, ref_model, list(ref_state), tensors, names, on_meta)
+
+
+@contextlib.contextmanager
+def _fake_tensor_errors_unlogged() -> Iterator[None]:
+    """A user's shape error surfaces as our CaptureError naming their line; torch would first log
+    its whole traceback at error level (once per rank and retry), burying that message."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _reference(case: Case, mode: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor], bool]:
