@@ -84,14 +84,15 @@ def test_llama3_8b_shapes_trace(name: str, monkeypatch: pytest.MonkeyPatch) -> N
     _check(case, 8, [0])
 
 
-def _assert_proven(case: Case, world_size: int) -> None:
-    """Proven equivalent, and the numeric oracle agrees."""
+def _assert_proven(case: Case, world_size: int, train: bool = False) -> None:
+    """Proven equivalent (one training step's loss and gradients with `train`), and the numeric
+    oracle agrees."""
     from shardproof import verify
     from shardproof.oracle import run_numeric
 
-    report = verify(case, world_size=world_size)
+    report = verify(case, world_size=world_size, train=train)
     assert report.verdict == "equivalent", report.diagnosis
-    assert run_numeric(case, world_size).agree
+    assert run_numeric(case, world_size, mode=case.resolve_mode(train)).agree
 
 
 @pytest.mark.parametrize("name", LLAMA_CASES)
@@ -110,3 +111,14 @@ def test_sequence_parallel_training_at_batch_of_one_is_proven(world_size: int, s
     case = load_case(EXAMPLES / "llama_sp_train.py")
     case.module.CONFIG = dataclasses.replace(case.module.CONFIG, batch=1, seq=seq, n_layers=1)
     _assert_proven(case, world_size)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_tensor_parallel_training_at_batch_of_one_is_proven(world_size: int) -> None:
+    """Megatron TP training on one sequence (the 405B preset's batch) with one kv head per rank
+    (as the preset at world size 8): the GQA sum of a kv head's gradient keeps its size-1 head
+    dim, so the all-reduced input gradient of qkv_proj is the reference's, and so are the norm
+    weights' gradients."""
+    case = load_case(EXAMPLES / "llama_tp.py")
+    case.module.CONFIG = dataclasses.replace(case.module.CONFIG, batch=1, seq=8, n_layers=1, n_kv_heads=world_size)
+    _assert_proven(case, world_size, train=True)

@@ -86,7 +86,7 @@ def view_of_box(
     out_box = [(0, s) for s in local_dst]
     free_ones: list[int] = []  # size-1 destination dims not yet given a restriction
     pending: list[int] = []  # size-1 source dims waiting for a size-1 destination, in order
-    ahead = _dst_ones_ahead(groups)
+    ahead = dst_ones_ahead(groups)
     for g, (gi, gj) in enumerate(groups):
         restricted = [d for d in gi if box[d] != (0, global_src[d])]
         if not gi:
@@ -137,7 +137,7 @@ def view_of_box(
     return tuple(out_shape), tuple(out_box)
 
 
-def _dst_ones_ahead(groups: list[tuple[list[int], list[int]]]) -> list[int]:
+def dst_ones_ahead(groups: list[tuple[list[int], list[int]]]) -> list[int]:
     """For each group, how many size-1 destination dims follow from it (itself included) before
     the next group of real dims."""
     ahead, count = [0] * len(groups), 0

@@ -178,6 +178,47 @@ def test_view_merging_the_cat_dim_of_one_row_parts_joins_them_along_the_next_dim
     assert stacked.term == b.view(b.cat([p, q], 1), (4, 3)).term
 
 
+def test_view_of_a_broadcast_drops_broadcast_size_one_dims_before_the_bases():
+    """One kv head's gradient at a batch of one, summed over its query heads, (1, 1, 1, s, d) ->
+    (1, 1, s, d), with only the middle size-1 dim the base's own: the two broadcast ones are
+    dropped for one, so the base keeps its head dim and the result is that head of the
+    reference's (1, kv_heads, s, d), not a row range of its heads flattened."""
+    b = Build()
+    s = b.leaf("s", (2, 4, 3))  # (kv heads, seq, d)
+    reference = b.view(s, (1, 2, 4, 3))
+    head = b.permute(b.view(b.sl(s, 0, 1, 2), (1, 1, 1, 4, 3)), (1, 2, 0, 3, 4))  # base at dims (2, 3, 4)
+    y = b.view(head, (1, 1, 4, 3))
+    b.check(y)
+    assert y.term == b.sl(reference, 1, 1, 2).term
+
+
+@st.composite
+def _broadcast_and_ones(draw) -> tuple[list[int], list[bool], list[int]]:
+    """A broadcast's shape, which of its dims the base holds, and a reshape of it that only
+    drops or adds size-1 dims."""
+    shape = draw(st.lists(st.sampled_from([1, 1, 2, 3]), min_size=1, max_size=6))
+    kept = [draw(st.booleans()) for _ in shape]
+    real = [size for size in shape if size != 1]
+    target: list[int] = []
+    for size in real + [None]:
+        target += [1] * draw(st.integers(0, 2))
+        target += [size] if size is not None else []
+    return shape, kept, target
+
+
+@SETTINGS
+@given(_broadcast_and_ones())
+def test_view_of_a_broadcast_moving_size_one_dims(case):
+    """However the size-1 dims of a broadcast and of the reshape's target pair up, the view is
+    the broadcast's value."""
+    shape, kept, target = case
+    b = Build()
+    base = b.leaf("x", tuple(size for size, k in zip(shape, kept) if k))
+    spread = b.view(base, tuple(size if k else 1 for size, k in zip(shape, kept)))
+    y = b.view(b.expand(spread, tuple(shape)), tuple(target))
+    b.check(y)
+
+
 @pytest.mark.parametrize("shape", [(1, 1, 3), (2, 1, 1), (1, 1, 2, 2)])
 def test_squeeze_of_unsqueeze_with_adjacent_size_one_dims(shape):
     b = Build()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from shardproof.relations.layout import Box, box_shape, full_box, reshape_groups, view_of_box
+from shardproof.relations.layout import Box, box_shape, dst_ones_ahead, full_box, reshape_groups, view_of_box
 from shardproof.relations.rules.values import PARTS
 
 
@@ -181,7 +181,7 @@ class ViewRules:
         """Reshape a broadcast group by group. Groups of kept dims reshape the base (taking a
         size-1 dim just before them along); a kept dim merged with broadcast dims after it, or a
         kept size-1 dim followed by broadcast dims merged into one, is a repeat (GQA's repeat_kv);
-        other size-1 dims pair up in order."""
+        other size-1 dims pair up in order, broadcast ones dropped before the base's own."""
         term = self.u[x]
         kept = set(term.attrs[0])
         groups = reshape_groups(term.shape, shape)
@@ -203,8 +203,10 @@ class ViewRules:
         repeats: list[tuple[int, int]] = []
         free_ones: list[int] = []
         pending: list[int] = []  # size-1 source dims still to pair with size-1 destinations
-        for gi, gj in groups:
+        ahead = dst_ones_ahead(groups)
+        for g, (gi, gj) in enumerate(groups):
             if not gi:
+                pending = _paired_ones(pending, kept, ahead[g])
                 if pending:
                     if pending.pop(0) in kept:
                         dims.append(gj[0])
@@ -246,6 +248,18 @@ class ViewRules:
         for d, times in repeats:
             out = self.repeat(out, d, times)
         return out
+
+
+def _paired_ones(pending: list[int], kept: set[int], room: int) -> list[int]:
+    """The size-1 source dims of a run that pair with its `room` size-1 destination dims. Where
+    more are dropped than added, the broadcast ones go first and the base keeps its own: one kv
+    head's gradient at a batch of one, summed over its query heads, (1, 1, 1, s, d) ->
+    (1, 1, s, d), stays that head of the reference's (1, kv_heads, s, d)."""
+    surplus = len(pending) - room
+    if surplus <= 0:
+        return pending
+    dropped = sorted(pending, key=lambda d: d in kept)[:surplus]
+    return [d for d in pending if d not in dropped]
 
 
 def _inserted_ones(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[int, ...] | None:
