@@ -93,22 +93,14 @@ def _data_parallel(average: bool) -> Case:
     return Case(Mlp, lambda rank, n: Mlp(), _inputs, shard_input=batch_shard, loss=_loss, distributed_step=step)
 
 
-def _checked(case: Case, world_size: int, mode: str):
-    report = verify(case, world_size=world_size, train=mode == "train", step=mode == "step")
-    numbers = run_numeric(case, world_size, mode=mode)
-    assert (report.verdict == "equivalent") == numbers.agree, (report.diagnosis, numbers.detail)
-    assert set(report.claims) <= set(numbers.differing), (report.claims, numbers.differing)
-    return report
-
-
 @pytest.mark.parametrize("mode", ["train", "step"])
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_tensor_parallel_step_is_proven(world_size: int, mode: str) -> None:
-    assert _checked(_tensor_parallel(), world_size, mode).verdict == "equivalent"
+def test_tensor_parallel_step_is_proven(world_size: int, mode: str, checked_step) -> None:
+    assert checked_step(_tensor_parallel(), world_size, mode).verdict == "equivalent"
 
 
-def test_missing_backward_all_reduce_names_the_gradient_and_the_backward_op() -> None:
-    report = _checked(_tensor_parallel(reduce_input_grad=False), 2, "train")
+def test_missing_backward_all_reduce_names_the_gradient_and_the_backward_op(checked_step) -> None:
+    report = checked_step(_tensor_parallel(reduce_input_grad=False), 2, "train")
     assert report.verdict == "discrepancy"
     assert report.diagnosis.startswith("gradient of `norm.")
     assert "missing reduction" in report.diagnosis
@@ -116,17 +108,17 @@ def test_missing_backward_all_reduce_names_the_gradient_and_the_backward_op() ->
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_data_parallel_loss_is_proven_as_a_mean_over_ranks(world_size: int) -> None:
-    report = _checked(_data_parallel(average=True), world_size, "train")
+def test_data_parallel_loss_is_proven_as_a_mean_over_ranks(world_size: int, checked_step) -> None:
+    report = checked_step(_data_parallel(average=True), world_size, "train")
     assert report.verdict == "equivalent", report.diagnosis
     assert any("mean of the" in note and "loss" in note for note in report.notes)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_summed_data_parallel_gradients_are_a_wrong_scale_by_the_world_size(world_size: int) -> None:
+def test_summed_data_parallel_gradients_are_a_wrong_scale_by_the_world_size(world_size: int, checked_step) -> None:
     """Each rank's gradient is its batch shard's mean; summing them over ranks (not averaging)
     scales every gradient by the number of ranks."""
-    report = _checked(_data_parallel(average=False), world_size, "train")
+    report = checked_step(_data_parallel(average=False), world_size, "train")
     assert report.verdict == "discrepancy"
     assert report.diagnosis.startswith("gradient of `")
     assert f"wrong scale (x{world_size})" in report.diagnosis
@@ -213,8 +205,8 @@ def _summed(grad: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("hooked", [True, False])
-def test_gradient_hooks_registered_on_the_model_fire_in_the_step(hooked: bool) -> None:
-    report = _checked(_sequence_parallel_with_norm_hooks(hooked), 2, "train")
+def test_gradient_hooks_registered_on_the_model_fire_in_the_step(hooked: bool, checked_step) -> None:
+    report = checked_step(_sequence_parallel_with_norm_hooks(hooked), 2, "train")
     assert report.verdict == ("equivalent" if hooked else "discrepancy"), report.diagnosis
 
 

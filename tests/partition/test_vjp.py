@@ -14,7 +14,6 @@ from torch import nn
 from shardproof import verify
 from shardproof.capture.torch_capture import capture
 from shardproof.case import Case, load_case
-from shardproof.oracle import run_numeric
 from shardproof.prove import prove
 
 HIDDEN, FFN, DEPTH, BAD_LAYER, BAD_RANK = 8, 16, 4, 2, 1  # BAD_LAYER: layer 3 of 4
@@ -98,18 +97,12 @@ def _case(**bad_layer) -> Case:
     )
 
 
-def _checked(case: Case, world_size: int, mode: str = "train"):
-    report = verify(case, world_size=world_size, train=True, step=mode == "step", backend="none")
-    numbers = run_numeric(case, world_size, mode=mode)
-    assert (report.verdict == "equivalent") == numbers.agree, (report.diagnosis, numbers.detail)
-    assert set(report.claims) <= set(numbers.differing), (report.claims, numbers.differing)
-    return report
-
-
 @pytest.mark.parametrize("mode", ["train", "step"])
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_repeated_layers_train_equivalent_with_one_proof_forward_and_one_backward(world_size: int, mode: str) -> None:
-    assert _checked(_case(), world_size, mode).verdict == "equivalent"
+def test_repeated_layers_train_equivalent_with_one_proof_forward_and_one_backward(
+    world_size: int, mode: str, checked_step
+) -> None:
+    assert checked_step(_case(), world_size, mode, backend="none").verdict == "equivalent"
     proof = prove(capture(_case(), world_size, mode="train"))
     assert proof.verdict == "equivalent"
     kinds = 2  # the first layer (its input needs no gradient), the others
@@ -117,25 +110,25 @@ def test_repeated_layers_train_equivalent_with_one_proof_forward_and_one_backwar
     assert proof.calls.reused == 2 * (DEPTH - kinds)
 
 
-def _as_without_memoization(case: Case, world_size: int):
+def _as_without_memoization(checked_step, case: Case, world_size: int):
     """The verdict, checked against the numbers, whose culprit is the one a trace without memoization names."""
-    report = _checked(case, world_size)
+    report = checked_step(case, world_size, backend="none")
     plain = verify(case, world_size=world_size, train=True, backend="none", memo=False)
     site = lambda s: (s.file, s.line, s.op, s.rank)  # noqa: E731 - node names differ between the two traces
     assert (report.verdict, site(report.distributed[0])) == (plain.verdict, site(plain.distributed[0]))
     return report
 
 
-def test_a_missing_backward_all_reduce_in_one_layer_is_found_in_that_layer() -> None:
-    report = _as_without_memoization(_case(reduce_input_grad=False), 2)
+def test_a_missing_backward_all_reduce_in_one_layer_is_found_in_that_layer(checked_step) -> None:
+    report = _as_without_memoization(checked_step, _case(reduce_input_grad=False), 2)
     assert report.verdict == "discrepancy"
     assert "missing reduction" in report.diagnosis
     assert f"blocks.{BAD_LAYER}." in report.diagnosis, "confirmed on the bad layer's gradients"
     assert any(s.op.endswith("in the backward") for s in report.distributed)
 
 
-def test_a_wrong_gradient_slice_on_one_rank_in_one_layer_is_found_on_that_rank() -> None:
-    report = _as_without_memoization(_case(wrong_on=BAD_RANK), 4)
+def test_a_wrong_gradient_slice_on_one_rank_in_one_layer_is_found_on_that_rank(checked_step) -> None:
+    report = _as_without_memoization(checked_step, _case(wrong_on=BAD_RANK), 4)
     assert report.verdict == "discrepancy"
     assert {s.rank for s in report.distributed} == {BAD_RANK}
     assert f"blocks.{BAD_LAYER}." in report.diagnosis, "confirmed on the bad layer's gradients"
