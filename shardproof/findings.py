@@ -29,9 +29,9 @@ def confirmed(numeric: Callable[[], NumericResult], findings: list[Finding], ele
     if lead.kind == "mismatched collectives":
         return findings
     if elements > NUMERIC_CHECK_LIMIT:
-        unconfirmed = " [not confirmed numerically: model too large to run]"
-        structural = [unconfirmed if f.kind != "wrong layout" else None for f in findings]
-        return _standing(findings, structural, f"{lead.message} (not confirmed: model too large to run)")
+        unconfirmed = "not confirmed numerically: model too large to run"
+        structural = [f" [{unconfirmed}]" if f.kind != "wrong layout" else None for f in findings]
+        return _standing(findings, structural, f"{lead.message} ({unconfirmed})")
     numbers = numeric()
     refuted = [numbers.differs(f.claim) for f in findings]
     evidence = [None if where is None else f" [confirmed numerically: {where}]" for where in refuted]

@@ -204,13 +204,11 @@ def _trace_rank(session: _Session, rank: int, bound: list[torch.Tensor], memo: b
     subclasses), the model is built again on fake tensors and traced as always."""
     program, world_size = session.program, session.world_size
     with _process_group(rank, world_size):
-        if program.loads_separately and not program.differentiates:
+        if program.loads_separately:
             try:
                 return _trace_loaded(session, rank, memo, on_meta=True), Trained()
             except (ShardproofError, NotPlain):
-                pass
-        if program.loads_separately:
-            return _trace_loaded(session, rank, memo, on_meta=False), Trained()
+                return _trace_loaded(session, rank, memo, on_meta=False), Trained()
         model = _build(f"distributed({rank}, {world_size})", lambda: session.case.distributed(rank, world_size))
         runs: list[Trained] = []  # make_fx traces tensors only: the rest of a run's result is kept here
 

@@ -151,13 +151,7 @@ def test_all_gather_of_column_shards_is_the_whole():
 @SETTINGS
 @given(kv_dims)
 def test_repeat_kv_is_a_repeat(dims):
-    batch, kv, rep, seq, dim = dims
-    b = Build()
-    k = b.leaf("k", (batch, kv, seq, dim))
-    y = repeat_kv(b, k, rep)
-    b.check(y)
-    term = b.u[y.term]
-    assert term.op == "repeat" and term.args[0] == k.term and term.attrs == (1, rep)
+    _assert_repeat_kv_is_a_repeat(dims)
 
 
 @SETTINGS
@@ -224,6 +218,11 @@ def test_mqa_rank_with_a_whole_k_matches_the_reference():
     "dims", [(1, 1, 2, 3, 2), (2, 2, 2, 1, 1), (2, 1, 2, 1, 2)], ids=["mqa-batch1", "seq1-dim1", "kv1-seq1"]
 )
 def test_repeat_kv_is_a_repeat_with_adjacent_size_one_dims(dims):
+    _assert_repeat_kv_is_a_repeat(dims)
+
+
+def _assert_repeat_kv_is_a_repeat(dims) -> None:
+    """(batch, kv, seq, dim) keys repeated `rep` times per kv head: one `repeat` of the keys on dim 1."""
     batch, kv, rep, seq, dim = dims
     b = Build()
     k = b.leaf("k", (batch, kv, seq, dim))
