@@ -48,7 +48,7 @@ class NotPlain(Exception):
 Decompositions = dict[Any, Callable[..., Any]]  # aten op -> python function of smaller ops
 
 
-class _Recorder(TorchDispatchMode):
+class Recorder(TorchDispatchMode):
     def __init__(
         self, graph: fx.Graph, root: torch.nn.Module, entry: FrameType | None, decompositions: Decompositions, part: bool
     ) -> None:
@@ -60,6 +60,7 @@ class _Recorder(TorchDispatchMode):
         self.part = part  # see `record`
         self.nodes: dict[int, tuple[torch.Tensor, fx.Node]] = {}  # id -> (tensor kept alive, its node)
         self.constants = 0
+        self.created: list[fx.Node] = []  # op nodes in the order recorded (see capture/symbolic_rank)
 
     def bind(self, tensor: torch.Tensor, node: fx.Node) -> None:
         self.nodes[id(tensor)] = (tensor, node)
@@ -101,6 +102,7 @@ class _Recorder(TorchDispatchMode):
         if not _computes(func):
             return func(*args, **kwargs)
         node = self.graph.call_function(func, self.nodes_in(args), self.nodes_in(kwargs))
+        self.created.append(node)
         out = func(*args, **kwargs)
         node.meta["val"] = out
         where = self.where()
@@ -187,7 +189,7 @@ def _record(
     fn: Callable[..., list[torch.Tensor]], inputs: list[torch.Tensor], decompositions: Decompositions, part: bool
 ) -> tuple[Traced, list[torch.Tensor]]:
     graph, root = fx.Graph(), torch.nn.Module()
-    recorder = _Recorder(graph, root, None if part else sys._getframe(), decompositions, part)
+    recorder = Recorder(graph, root, None if part else sys._getframe(), decompositions, part)
     for i, tensor in enumerate(inputs):
         placeholder = graph.placeholder(f"arg{i}")
         placeholder.meta["val"] = tensor

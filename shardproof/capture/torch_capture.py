@@ -26,11 +26,14 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from shardproof.capture.dispatch_trace import NotPlain, Traced, chain, record
 from shardproof.capture.locations import anchor_user_code, autograd_origins, locator, user_frame
 from shardproof.capture.meshes import RealDeviceMeshes, distinct_meshes
+from shardproof.capture.symbolic_rank import symbolic_rank
 from shardproof.case import Case
 from shardproof.errors import CaptureError, ShardproofError
 from shardproof.ir.from_fx import Lowerer
 from shardproof.ir.graph import BOUND_LEAF_PREFIX, Graph
+from shardproof.ir.rank_expr import RankExpr
 from shardproof.partition.module_calls import trace_with_memo
+from shardproof.partition.rank_classes import RankClass
 from shardproof.report.progress import count
 from shardproof.state import module_state
 from shardproof.steps import Check, Program, Trained, agreed, program_for
@@ -78,6 +81,7 @@ def capture(
             claims.append(session.program.checks(len(reference.outputs), len(graph.outputs), trained))
 
         rest: RankTracer | None = None
+        classes = _RankClasses(session, memo)
         for rank in range(world_size):
             if rest is not None:
                 progress(f"tracing ranks {rank}..{world_size - 1} in workers")
@@ -86,9 +90,10 @@ def capture(
                 break
             progress(f"tracing rank {rank}/{world_size}")
             traced = time.perf_counter()
-            claimed(*_trace_rank(session, rank, bound, memo))
+            graph = classes.graph(rank)
+            claimed(*((graph, Trained()) if graph is not None else _trace_rank(session, rank, bound, memo)))
             count(progress, "ranks traced", rank + 1, world_size)
-            if rank == 0 and not session.program.bound:
+            if rank == 0 and not session.program.bound and not classes.found:
                 rest = placement(time.perf_counter() - traced)
     return Captured(reference, ranks, agreed(claims), time.perf_counter() - start)
 
@@ -223,18 +228,20 @@ def _trace_rank(session: _Session, rank: int, bound: list[torch.Tensor], memo: b
         return traced, runs[-1]
 
 
-def _trace_loaded(session: _Session, rank: int, memo: bool, on_meta: bool) -> Graph:
+def _trace_loaded(session: _Session, rank: int, memo: bool, on_meta: bool, symbol: RankExpr | None = None) -> Graph:
     """A rank program that loads its state, then runs its model; `on_meta`: the model built on meta
-    tensors and the program recorded by the light tracer alone (any failure raises)."""
+    tensors and the program recorded by the light tracer alone (any failure raises). With `symbol`,
+    the program is given that for its rank (see `_rank_class`)."""
     program, world_size = session.program, session.world_size
+    given = rank if symbol is None else symbol
 
     def build() -> torch.nn.Module:
-        return session.case.distributed(rank, world_size)
+        return session.case.distributed(given, world_size)
 
     model = _build(f"distributed({rank}, {world_size})", (lambda: _on_meta(build)) if on_meta else build)
 
     def load(*args: torch.Tensor) -> list[torch.Tensor]:
-        return program.load(model, *session.unpack(args), rank, world_size)
+        return program.load(model, *session.unpack(args), given, world_size)
 
     def run_loaded(*loaded: torch.Tensor) -> list[torch.Tensor]:
         return program.run_loaded(model, list(loaded))
@@ -242,6 +249,50 @@ def _trace_loaded(session: _Session, rank: int, memo: bool, on_meta: bool) -> Gr
     with _recorded_reduce_ops() as reduce_ops:
         return _trace(f"rank {rank}", run_loaded, session.tensors, session.names, reduce_ops, rank, model if memo else None,
                       program, load, light_only=on_meta)
+
+
+class _RankClasses:
+    """The rank classes found so far (see partition/rank_classes); tracing symbolically stops once
+    it stops paying: it failed, or two classes held only their own rank."""
+
+    def __init__(self, session: _Session, memo: bool):
+        self.session, self.memo = session, memo
+        self.found: list[RankClass] = []
+        self.singletons = 0
+        self.trying = True
+
+    def graph(self, rank: int) -> Graph | None:
+        """The rank's graph from a class, None if it must be traced as it is."""
+        for known in self.found:
+            if known.covers(rank):
+                return known.at(rank)
+        if not self.trying:
+            return None
+        found = _rank_class(self.session, rank, self.memo)
+        if found is None:
+            self.trying = False
+            return None
+        if not found.covers(rank):
+            raise AssertionError(f"the symbolic trace of rank {rank} does not hold at rank {rank}")
+        self.found.append(found)
+        world = range(rank + 1, self.session.world_size)
+        self.singletons += not any(found.covers(r) for r in world)
+        self.trying = self.singletons < 2
+        return found.at(rank)
+
+
+def _rank_class(session: _Session, rank: int, memo: bool) -> RankClass | None:
+    """The rank's forward program traced with its rank symbolic: one trace for every rank its
+    guards admit. None where that cannot be done (a training program, tensor subclasses, code that
+    fails on a symbolic rank); the rank is then traced as it is."""
+    if not (session.program.loads_separately and session.model_on_meta):
+        return None
+    with _process_group(rank, session.world_size), symbolic_rank(rank, session.world_size) as (symbol, guards):
+        try:
+            graph = _trace_loaded(session, rank, memo, on_meta=True, symbol=symbol)
+        except (ShardproofError, NotPlain):
+            return None
+    return RankClass(graph, frozenset(guards))
 
 
 def _on_meta(build: Callable[[], Any]) -> Any:

@@ -23,6 +23,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from shardproof.errors import UnsupportedOp
 from shardproof.ir.graph import Graph, Location
+from shardproof.ir.rank_expr import RankExpr
 
 Value = Any  # an IR node id, or a (nested) tuple of them for multi-output ops
 LocationOf = Callable[[fx.Node], Location | None]
@@ -74,12 +75,15 @@ class Lowerer:
     def dtype(self, value: int) -> str:
         return self.graph[value].dtype
 
-    def scalar(self, value: float | int | bool, dtype: str | None = None) -> int:
-        """A 0-d constant; python numbers in aten calls become these."""
-        dtype = dtype or ("bool" if isinstance(value, bool) else "int64" if isinstance(value, int) else "float32")
-        key = (value, dtype)
+    def scalar(self, value: float | int | bool | RankExpr, dtype: str | None = None) -> int:
+        """A 0-d constant; python numbers in aten calls become these (a symbolic rank's too: its
+        value is taken at each rank)."""
+        symbolic = isinstance(value, RankExpr)
+        dtype = dtype or ("bool" if isinstance(value, bool) else "int64" if symbolic or isinstance(value, int) else "float32")
+        key = (("rank", value.form) if symbolic else value, dtype)  # a RankExpr compared to an int would guard
         if key not in self._scalars:
-            self._scalars[key] = self.graph.add("const", (), (("full", value),), (), dtype, f"scalar_{value}")
+            name = f"scalar_{value.describe() if symbolic else value}"
+            self._scalars[key] = self.graph.add("const", (), (("full", value),), (), dtype, name)
         return self._scalars[key]
 
     def tensor(self, arg: Any) -> int:
@@ -89,7 +93,7 @@ class Lowerer:
             if not isinstance(value, int):
                 raise UnsupportedOp(f"tuple used as tensor ({arg.name})")
             return value
-        if isinstance(arg, (int, float, bool)):
+        if isinstance(arg, (int, float, bool, RankExpr)):
             return self.scalar(arg)
         raise UnsupportedOp(f"operand of type {type(arg).__name__}")
 
@@ -320,12 +324,13 @@ def _transpose(lo: Lowerer, x, d0: int = 0, d1: int = 1, **kwargs) -> int:
 
 def slice_value(lo: Lowerer, value: int, dim: int, start: int, end: int) -> int:
     size = lo.shape(value)[dim]
-    start, end = max(0, min(start, size)), max(0, min(end, size))
-    end = max(start, end)
-    if (start, end) == (0, size):
+    start, end = _clamped(start, size), _clamped(end, size)
+    end = start if end < start else end
+    length = int(end - start)  # an int at every rank a symbolic slice is traced for (see capture/symbolic_rank)
+    if length == size:
         return value
     shape = list(lo.shape(value))
-    shape[dim] = end - start
+    shape[dim] = length
     return lo.emit("slice", (value,), (dim, start, end), tuple(shape), lo.dtype(value))
 
 
@@ -341,7 +346,12 @@ def _slice_range(lo: Lowerer, op: str, size: int, start: int | None, end: int | 
         raise UnsupportedOp(f"{op} with step != 1", _at(lo.locate(lo.current)))
     start = 0 if start is None else (start + size if start < 0 else start)
     end = size if end is None else (end + size if end < 0 else end)
-    return max(0, min(start, size)), max(0, min(end, size))
+    return _clamped(start, size), _clamped(end, size)
+
+
+def _clamped(index: int | RankExpr, size: int) -> int | RankExpr:
+    """`index` within [0, size]; itself when it is (so a symbolic offset stays symbolic)."""
+    return 0 if index < 0 else size if index > size else index
 
 
 def _narrow(lo: Lowerer, x, dim: int, start: int, length: int) -> int:
@@ -494,7 +504,7 @@ def _convert(lo: Lowerer, x, *args, **kwargs) -> int:
 def _elementwise(op: str) -> Callable[..., int]:
     def lower(lo: Lowerer, *args, **kwargs) -> int:
         out_shape = tuple(lo.current.meta["val"].shape)
-        operands = [lo.tensor(a) for a in args if isinstance(a, (fx.Node, int, float, bool))]
+        operands = [lo.tensor(a) for a in args if isinstance(a, (fx.Node, int, float, bool, RankExpr))]
         operands = [broadcast_to(lo, v, out_shape) for v in operands]
         return lo.emit(op, tuple(operands))
 

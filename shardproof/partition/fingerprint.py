@@ -34,6 +34,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten
 
+from shardproof.ir.rank_expr import RankExpr
 from shardproof.state import module_state
 
 MAX_DEPTH = 6  # plain data nested deeper than this is compared by identity
@@ -54,6 +55,8 @@ def value_key(value: Any, depth: int = 0) -> Hashable:
     """Equal keys for equal plain data; identity for everything else."""
     if isinstance(value, PLAIN_DATA):
         return (type(value).__name__, value)
+    if isinstance(value, RankExpr):  # a symbolic rank's offset (capture/symbolic_rank): by its form
+        return ("rank", value.form)
     if depth >= MAX_DEPTH:
         return ("id", id(value))
     if isinstance(value, enum.Enum):

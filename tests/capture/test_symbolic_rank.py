@@ -1,0 +1,143 @@
+"""One trace with a symbolic rank gives every rank it covers the graph that rank's own trace gives
+(op for op, with the same lines); a rank whose program differs gets a trace of its own."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardproof.capture import torch_capture
+from shardproof.case import Case, load_case
+from shardproof.ir.graph import Graph
+from shardproof.partition.templates import Template
+
+EXAMPLES = Path(__file__).parents[2] / "examples"
+
+
+def by_rank(case: Case, world_size: int) -> tuple[int, list[Graph | None], list[Graph]]:
+    """(classes found, each rank's graph from its class or None, each rank's own trace)."""
+    with torch_capture._session(case, world_size, "forward") as session:
+        classes = torch_capture._RankClasses(session, memo=True)
+        symbolic = [classes.graph(rank) for rank in range(world_size)]
+        own = [torch_capture._trace_rank(session, rank, [], memo=True)[0] for rank in range(world_size)]
+    return len(classes.found), symbolic, own
+
+
+def numbered(graph: Graph, table: dict) -> list[int]:
+    """Value numbers of the outputs: equal numbers, equal programs (ops, attrs, shapes, lines)."""
+    numbers: list[int] = []
+    for node in graph.nodes:
+        attrs = node.attrs
+        if node.op == "call":
+            attrs = (tuple(numbered(attrs[0].graph, table)), *attrs[1:]) if isinstance(attrs[0], Template) else attrs
+        key = (node.op, repr(attrs), node.shape, node.dtype, node.loc, tuple(numbers[i] for i in node.inputs))
+        numbers.append(table.setdefault(key, len(table)))
+    return [numbers[o] for o in graph.outputs]
+
+
+def assert_same_programs(symbolic: list[Graph | None], own: list[Graph]) -> None:
+    for rank, (mine, theirs) in enumerate(zip(symbolic, own)):
+        assert mine is not None, f"rank {rank} was traced on its own"
+        table: dict = {}
+        assert numbered(mine, table) == numbered(theirs, table), f"rank {rank}"
+        assert mine.rank == rank
+
+
+@pytest.mark.parametrize("example, world_size", [("llama_tp.py", 4), ("llama_tp.py", 8), ("mlp_tp.py", 4)])
+def test_one_trace_stands_for_every_rank_of_the_examples(example: str, world_size: int) -> None:
+    found, symbolic, own = by_rank(load_case(EXAMPLES / example), world_size)
+    assert found == 1
+    assert_same_programs(symbolic, own)
+
+
+def test_kv_heads_shared_by_ranks_are_floor_quotients_of_the_rank() -> None:
+    case = load_case(EXAMPLES / "llama_tp.py")
+    case.module.CONFIG = dataclasses.replace(case.module.CONFIG, n_heads=8, n_kv_heads=2)
+    found, symbolic, own = by_rank(case, 8)  # kv head rank // 4
+    assert found == 1
+    assert_same_programs(symbolic, own)
+
+
+class _Sliced(nn.Module):
+    """A layer whose rank-dependent parts are the ones the symbolic trace keeps: a slice of its
+    input at the rank's offset (from `dist.get_rank()`), a mask against the rank as a scalar."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(width, width))
+        self.width = width
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rank = dist.get_rank()
+        part = x[:, rank * self.width : (rank + 1) * self.width]
+        mask = (part > rank) | (rank * 2 <= part)
+        out = torch.where(mask, part, part - rank) @ self.weight
+        return torch.cat([out, x.narrow(1, rank * 2, 2)], dim=1)
+
+
+def _case(distributed: Callable[[int, int], nn.Module], loader: Callable[..., dict], world_size: int = 4) -> Case:
+    return Case(lambda: _Sliced(8), distributed, lambda: (torch.randn(3, 8 * world_size),), world_size,
+                shard_state=loader)  # fmt: skip
+
+
+def _shard(state: dict, rank: Any, world_size: int) -> dict:
+    return {"weight": state["weight"]}
+
+
+def test_slices_masks_and_narrow_at_the_rank_stay_symbolic() -> None:
+    found, symbolic, own = by_rank(_case(lambda rank, ws: _Sliced(8), _shard), 4)
+    assert found == 1
+    assert_same_programs(symbolic, own)
+
+
+def test_a_bug_on_one_rank_gets_a_trace_of_its_own() -> None:
+    def loader(state: dict, rank: Any, world_size: int) -> dict:
+        weight = state["weight"]
+        return {"weight": weight[:, 1:] if rank == 2 else weight[:, : weight.shape[1] - 1]}
+
+    def distributed(rank: Any, world_size: int) -> nn.Module:
+        model = _Sliced(8)
+        model.weight = nn.Parameter(torch.empty(8, 7))
+        return model
+
+    case = _case(distributed, loader)
+    case.reference = lambda: _Sliced(8)
+    found, symbolic, own = by_rank(case, 4)
+    assert found == 2, "ranks 0, 1 and 3 share one trace, rank 2 has its own"
+    assert_same_programs(symbolic, own)
+
+
+@pytest.mark.parametrize(
+    "pick",
+    [
+        lambda rank: [0, 3, 1, 2][rank],  # a list index: the value is pinned
+        lambda rank: int(f"{rank}"),  # text
+        lambda rank: len(range(rank)),
+    ],
+)
+def test_a_rank_used_as_a_plain_int_is_traced_rank_by_rank(pick: Callable[[Any], int]) -> None:
+    def loader(state: dict, rank: Any, world_size: int) -> dict:
+        start = pick(rank) * 2
+        return {"weight": torch.cat([state["weight"][:, start : start + 2]] * 4, dim=1)}
+
+    found, symbolic, own = by_rank(_case(lambda rank, ws: _Sliced(8), loader), 4)
+    assert found == 2, "each rank pinned: tracing symbolically stops after two classes of one rank"
+    assert symbolic[2:] == [None, None]
+    assert_same_programs(symbolic[:2], own[:2])
+
+
+def test_a_slice_python_clamps_at_some_ranks_is_traced_again_there() -> None:
+    def loader(state: dict, rank: Any, world_size: int) -> dict:
+        weight = state["weight"]
+        part = weight[:, rank * 3 : rank * 3 + 4]  # past the end at rank 2: [6:10] of 8 columns
+        return {"weight": torch.cat([part, part], dim=1)[:, :8]}
+
+    found, symbolic, own = by_rank(_case(lambda rank, ws: _Sliced(8), loader, world_size=3), 3)
+    assert found == 2
+    assert_same_programs(symbolic, own)
