@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 
 # Leaves of a rank graph named with this prefix and an index stand for that reference output
@@ -40,11 +40,14 @@ class Node:
 
 @dataclass
 class Graph:
-    """A straight-line program: nodes in execution order, outputs by node id."""
+    """A straight-line program: nodes in execution order, outputs by node id. Graphs with the same
+    `structure` (ranks of one rank class, partition/rank_classes) have the same ops, inputs and
+    shapes node for node; only the attrs of the nodes that depend on the rank differ."""
 
-    nodes: list[Node] = field(default_factory=list)
+    nodes: Sequence[Node] = field(default_factory=list)
     outputs: list[int] = field(default_factory=list)
     rank: int | None = None
+    structure: object | None = None
 
     def add(
         self,

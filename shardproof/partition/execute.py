@@ -16,13 +16,15 @@ that do not line up between the reference and the ranks raise NotPartitioned.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field
-from typing import Callable, Hashable
+from typing import Callable, Hashable, Iterator
 
 from shardproof.ir.graph import BOUND_LEAF_PREFIX, Graph
 from shardproof.ir.ops import OPS
 from shardproof.partition.boundary import Boundary, NotPartitioned, build_entries, read_boundary, transplant
 from shardproof.partition.gradients import over_reference_gradients
+from shardproof.partition.structure import structural
 from shardproof.partition.templates import Template, expand
 from shardproof.relations.diagnose import grounded
 from shardproof.relations.execute import CollectiveMismatch, Execution, resolve_collective, term_of
@@ -51,16 +53,23 @@ class Instance:
 
 
 def instances(graph: Graph) -> list[Instance]:
-    found: list[Instance] = []
+    found = []
+    for outputs in structural(graph, "calls", _call_outputs):
+        first = graph.nodes[outputs[0]]
+        template, _, module = first.attrs
+        found.append(Instance(template, module, first.inputs, outputs))
+    return found
+
+
+def _call_outputs(graph: Graph) -> list[tuple[int, ...]]:
+    """The output nodes of each call, in order."""
+    found: list[tuple[int, ...]] = []
     for node in graph.nodes:
-        if node.op != "call":
-            continue
-        template, index, module = node.attrs
-        if index == 0:
-            found.append(Instance(template, module, node.inputs, (node.id,)))
-        else:
-            last = found[-1]
-            found[-1] = Instance(last.template, module, last.inputs, last.outputs + (node.id,))
+        if node.op == "call":
+            if node.attrs[1] == 0:
+                found.append((node.id,))
+            else:
+                found[-1] += (node.id,)
     return found
 
 
@@ -69,7 +78,7 @@ def aligned(reference: Graph, ranks: list[Graph], expand_call: int | None = None
     qualified name and occurrence) in the same order, except the `expand_call`-th of them; other
     calls expanded into plain ops."""
     graphs = [reference, *ranks]
-    sites = [_sites(g) for g in graphs]
+    sites = [structural(g, "sites", _sites) for g in graphs]
     common = set(sites[0]).intersection(*sites[1:])
     orders = {tuple(s for s in graph_sites if s in common) for graph_sites in sites}
     if len(orders) != 1:
@@ -78,7 +87,11 @@ def aligned(reference: Graph, ranks: list[Graph], expand_call: int | None = None
         common.discard(orders.pop()[expand_call])
     kept = []
     for graph, graph_sites in zip(graphs, sites):
-        keep_ids = {o for inst, site in zip(instances(graph), graph_sites) if site in common for o in inst.outputs}
+        calls = structural(graph, "calls", _call_outputs)
+        if all(site in common for site in graph_sites):
+            kept.append(graph)
+            continue
+        keep_ids = {o for outputs, site in zip(calls, graph_sites) if site in common for o in outputs}
         kept.append(expand(graph, lambda node: node.id in keep_ids))
     return kept[0], kept[1:]
 
@@ -183,7 +196,7 @@ def execute_with_calls(
 def run_reference(rules: Rules, graph: Graph, bound: Bindings) -> list[int]:
     """The reference's terms (calls opaque); afterwards the universe's terms so far count as the reference's."""
     terms: list[int] = []
-    _run_local(rules, graph, terms, 0, len(graph.nodes), bound, opaque_calls=True)
+    _run_local(rules, graph, terms, bound)
     rules.reference_size = len(rules.u)
     return terms
 
@@ -195,21 +208,20 @@ def run_ranks(
     ref_calls: list[tuple[Instance, list[int], list[int]]],
     proofs: CallProofs,
     on_call: OnCall = lambda done, total: None,
-) -> list[list[int]]:
+) -> list[Terms]:
     """The ranks in lock-step: to the next collective or call, then that collective for its group,
     or the next call for every rank at once. Unmatched once a call's outputs on some rank stop
     agreeing with the reference (not built from its values by layout and linear structure): what
     follows depends on them, and is better diagnosed where it starts."""
-    terms: list[list[int]] = [[] for _ in graphs]
+    terms = [Terms(rules, graph, bindings) for graph, bindings in zip(graphs, bound)]
     agreeing: dict[int, bool] = {}
     cursors = [0] * len(graphs)
     calls = [instances(g) for g in graphs] if ref_calls else []
     done = 0  # calls resolved so far (the same count on every rank)
     while True:
         for r, graph in enumerate(graphs):
-            stop = _next_sync(graph, cursors[r])
-            _run_local(rules, graph, terms[r], cursors[r], stop, bound[r], opaque_calls=False)
-            cursors[r] = stop
+            cursors[r] = _next_sync(graph, cursors[r])
+            terms[r].reach(cursors[r])
         pending = [r for r, g in enumerate(graphs) if cursors[r] < len(g.nodes)]
         if not pending:
             return terms
@@ -239,18 +251,66 @@ def run_ranks(
 
 
 def _next_sync(graph: Graph, start: int) -> int:
-    for i in range(start, len(graph.nodes)):
-        op = graph.nodes[i].op
-        if op == "call" or OPS[op].kind == "collective":
-            return i
-    return len(graph.nodes)
+    syncs = structural(graph, "syncs", _syncs)
+    return syncs[bisect_left(syncs, start)]
 
 
-def _run_local(
-    rules: Rules, graph: Graph, terms: list[int], start: int, stop: int, bound: Bindings, opaque_calls: bool
-) -> None:
-    for node in graph.nodes[start:stop]:
-        if node.op == "call" and opaque_calls:
+def _syncs(graph: Graph) -> list[int]:
+    """Where a rank waits for the others (a call, a collective), then the end."""
+    return [n.id for n in graph.nodes if n.op == "call" or OPS[n.op].kind == "collective"] + [len(graph.nodes)]
+
+
+def _run_local(rules: Rules, graph: Graph, terms: list[int], bound: Bindings) -> None:
+    """The reference's terms, calls opaque."""
+    for node in graph.nodes:
+        if node.op == "call":
             terms.append(rules.literal("call", tuple(terms[i] for i in node.inputs), node.attrs, node.shape, node.dtype))
         else:
             terms.append(term_of(rules, node, terms, graph.rank, bound))
+
+
+class Terms:
+    """A rank's terms, node by node; a node's term is built when first read (its inputs first).
+
+    A rank's loader cuts every layer's weights, but a call answered from the proof of an earlier
+    one with the same shape (`CallProofs.outputs`) never reads its arguments: at 64 ranks of 126
+    layers, building them was most of the proof."""
+
+    def __init__(self, rules: Rules, graph: Graph, bound: Bindings):
+        self.rules, self.graph, self.bound = rules, graph, bound
+        self.built: list[int | None] = []
+
+    def __len__(self) -> int:
+        return len(self.built)
+
+    def __getitem__(self, index: int) -> int:
+        term = self.built[index]
+        return self._build(index) if term is None else term
+
+    def __iter__(self) -> Iterator[int]:
+        return (self[i] for i in range(len(self.built)))
+
+    def reach(self, stop: int) -> None:
+        """Nodes up to `stop` are due; built when read."""
+        self.built.extend([None] * (stop - len(self.built)))
+
+    def append(self, term: int) -> None:
+        self.built.append(term)
+
+    def extend(self, terms: list[int]) -> None:
+        self.built.extend(terms)
+
+    def _build(self, index: int) -> int:
+        """Build the node and every unbuilt node it depends on, in program order (the order an
+        eager run builds them in: where two normal forms are true, rules may prefer one that
+        already exists)."""
+        built, nodes = self.built, self.graph.nodes
+        due, stack = {index}, [index]
+        while stack:
+            for j in nodes[stack.pop()].inputs:
+                if built[j] is None and j not in due:
+                    due.add(j)
+                    stack.append(j)
+        for i in sorted(due):
+            built[i] = term_of(self.rules, nodes[i], built, self.graph.rank, self.bound)  # type: ignore[arg-type]
+        return built[index]  # type: ignore[return-value]

@@ -10,17 +10,18 @@ fail (a bug on rank 3 only: `if rank == 3`) is traced again and starts a class o
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Iterator, Sequence, overload
 
 from shardproof.ir.graph import Graph, Node
 from shardproof.ir.rank_expr import Guard, at_rank, mentions_rank
 from shardproof.partition.templates import Template
 
 
-@dataclass
+@dataclass(eq=False)
 class RankClass:
     graph: Graph  # traced at one rank, symbolic ints in its attrs (and in its templates')
     guards: frozenset[Guard]
-    _symbolic: list[int] | None = field(default=None, repr=False)  # ids of nodes to evaluate per rank
+    _symbolic: set[int] | None = field(default=None, repr=False)  # ids of the graph's nodes to evaluate
     _templates: dict[tuple[int, int], Template] = field(default_factory=dict, repr=False)
     _known: dict[int, bool] = field(default_factory=dict, repr=False)  # template id -> mentions the rank
 
@@ -28,38 +29,62 @@ class RankClass:
         return all(guard.holds(rank) for guard in self.guards)
 
     def at(self, rank: int) -> Graph:
-        """The graph of `rank` (which the class covers)."""
+        """The graph of `rank` (which the class covers); its nodes are evaluated when read."""
         if self._symbolic is None:
-            self._symbolic = _symbolic_nodes(self.graph, self._known)
-        return self._graph_at(self.graph, self._symbolic, rank)
+            self._symbolic = {node.id for node in self.graph.nodes if self._mentions(node)}
+        return Graph(_RankNodes(self, rank), list(self.graph.outputs), rank, structure=self)
 
-    def _graph_at(self, graph: Graph, symbolic: list[int], rank: int) -> Graph:
-        nodes = list(graph.nodes)
-        for i in symbolic:
-            node = nodes[i]
-            if node.op == "call":
-                nodes[i] = replace(node, attrs=(self._template_at(node.attrs[0], rank), *node.attrs[1:]))
-            else:
-                nodes[i] = replace(node, attrs=at_rank(node.attrs, rank))
-        return Graph(nodes, list(graph.outputs), rank)
+    def node_at(self, node: Node, rank: int) -> Node:
+        if node.op == "call":
+            return replace(node, attrs=(self._template_at(node.attrs[0], rank), *node.attrs[1:]))
+        return replace(node, attrs=at_rank(node.attrs, rank))
 
     def _template_at(self, template: Template, rank: int) -> Template:
         key = (id(template), rank)
         if key not in self._templates:
-            graph = self._graph_at(template.graph, _symbolic_nodes(template.graph, self._known), rank)
+            body = template.graph
+            nodes = [self.node_at(n, rank) if self._mentions(n) else n for n in body.nodes]
+            graph = Graph(nodes, list(body.outputs), rank)
             self._templates[key] = Template(template.module, graph, template.site, template.gradient_of)
         return self._templates[key]
 
+    def _mentions(self, node: Node) -> bool:
+        """Whether the node's attrs depend on the rank, directly or in the template it calls."""
+        if node.op != "call":
+            return mentions_rank(node.attrs)
+        template = node.attrs[0]
+        if id(template) not in self._known:
+            self._known[id(template)] = any(self._mentions(n) for n in template.graph.nodes)
+        return self._known[id(template)]
 
-def _symbolic_nodes(graph: Graph, known: dict[int, bool]) -> list[int]:
-    """Ids of the nodes whose attrs mention the rank, directly or in the template they call."""
-    return [node.id for node in graph.nodes if _mentions(node, known)]
 
+class _RankNodes(Sequence[Node]):
+    """A rank's nodes: the class's, with those that depend on the rank evaluated on first read
+    (64 ranks of a 126-layer model would otherwise copy a million nodes)."""
 
-def _mentions(node: Node, known: dict[int, bool]) -> bool:
-    if node.op != "call":
-        return mentions_rank(node.attrs)
-    template = node.attrs[0]
-    if id(template) not in known:
-        known[id(template)] = any(_mentions(n, known) for n in template.graph.nodes)
-    return known[id(template)]
+    def __init__(self, owner: RankClass, rank: int):
+        self.owner, self.rank = owner, rank
+        self.base = owner.graph.nodes
+        self.evaluated: dict[int, Node] = {}
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    @overload
+    def __getitem__(self, index: int) -> Node: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[Node]: ...
+
+    def __getitem__(self, index: int | slice) -> Node | list[Node]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self.base)))]
+        node = self.base[index]
+        if node.id not in self.owner._symbolic:
+            return node
+        if node.id not in self.evaluated:
+            self.evaluated[node.id] = self.owner.node_at(node, self.rank)
+        return self.evaluated[node.id]
+
+    def __iter__(self) -> Iterator[Node]:
+        return (self[i] for i in range(len(self.base)))
+
