@@ -18,6 +18,7 @@ from shardproof.gc_tuning import fewer_collections
 from shardproof.ir.graph import Graph, Node
 from shardproof.oracle import run_numeric
 from shardproof.partition.backends import placement
+from shardproof.partition.structure import structural
 from shardproof.prove import Proof, prove
 from shardproof.report.model import Report, Site
 
@@ -92,7 +93,7 @@ def proof_report(proof: Proof, captured: Captured, world_size: int, seconds: flo
         world_size,
         seconds,
         captured.reference.op_count(),
-        sum(g.op_count() for g in captured.ranks),
+        sum(structural(g, "op count", Graph.op_count) for g in captured.ranks),
         capture_seconds=captured.seconds,
         terms=proof.terms,
         notes=proof.notes,

@@ -282,6 +282,15 @@ def at_rank(value: Any, rank: int) -> Any:
     return value
 
 
+def frozen(value: Any) -> Any:
+    """`value` (an op's attrs) as a key: each RankExpr as its form (comparing RankExprs guards)."""
+    if isinstance(value, RankExpr):
+        return ("rank", value.form)
+    if isinstance(value, (tuple, list)):
+        return tuple(frozen(v) for v in value)
+    return value
+
+
 def mentions_rank(value: Any) -> bool:
     if isinstance(value, RankExpr):
         return True

@@ -23,6 +23,7 @@ from typing import Callable, Hashable, Iterator
 from shardproof.ir.graph import BOUND_LEAF_PREFIX, Graph
 from shardproof.ir.ops import OPS
 from shardproof.partition.boundary import Boundary, NotPartitioned, build_entries, read_boundary, transplant
+from shardproof.partition.call_shapes import Ops, argument_ops, call_shape
 from shardproof.partition.gradients import over_reference_gradients
 from shardproof.partition.structure import structural
 from shardproof.partition.templates import Template, expand
@@ -124,44 +125,104 @@ class CallProof:
 
 
 @dataclass
+class ReferenceCall:
+    """The reference's side of one call: its arguments' and outputs' terms, and what computes them."""
+
+    instance: Instance
+    args: list[int]
+    outputs: list[int]
+    argument_ops: Ops | None
+    terms: list[int]  # the reference's terms by node
+
+
+@dataclass
+class _Answer:
+    """A proof found by a call's shape, and which atom each of its free leaves is."""
+
+    proof: CallProof
+    frees: list[int]
+
+
+@dataclass
 class CallProofs:
-    """Proofs by boundary; `proven` distinct boundaries, `reused` calls answered from them."""
+    """Proofs by boundary (and by call shape, see call_shapes); `proven` distinct boundaries,
+    `reused` calls answered from them."""
 
     proofs: dict[Hashable, CallProof] = field(default_factory=dict)
-    proven: int = 0
+    shapes: dict[Hashable, _Answer | None] = field(default_factory=dict)  # None: a free leaf is no atom
+    proven: int = 0  # of the programs' own calls; calls inside templates are part of proving those
     reused: int = 0
+    _nested: int = 0  # proofs of calls in progress
 
-    def outputs(
-        self, rules: Rules, reference: tuple[Instance, list[int], list[int]], ranks: list[tuple[Instance, list[int]]]
-    ) -> list[list[int]]:
+    def outputs(self, rules: Rules, reference: ReferenceCall, ranks: list[tuple[Graph, Instance, Terms]]) -> list[list[int]]:
         """Each rank's output terms for one call, in `rules`' universe."""
-        ref_instance, ref_args, ref_outputs = reference
-        boundary = read_boundary(rules.u, ref_args, [args for _, args in ranks], rules.in_reference)
-        templates = (ref_instance.template, tuple(instance.template for instance, _ in ranks))
+        templates = (reference.instance.template, tuple(instance.template for _, instance, _ in ranks))
+        sides = [(reference.argument_ops, reference.terms)] + [(argument_ops(g, i.inputs), t) for g, i, t in ranks]
+        shape = call_shape(rules, sides, (templates, _pattern(reference.args)))
+        answer = None if shape is None else self.shapes.get(shape.key)
+        if answer is not None:
+            self._count(reused=True)
+            return _carried(rules, answer.proof, reference, [shape.atoms[i] for i in answer.frees])
+        args = [[terms[i] for i in instance.inputs] for _, instance, terms in ranks]
+        boundary = read_boundary(rules.u, reference.args, args, rules.in_reference)
         key = boundary.key(templates)
         proof = self.proofs.get(key)
+        self._count(reused=proof is not None)
         if proof is None:
-            proof = self.proofs[key] = prove_call(boundary, ref_instance.template, [i.template for i, _ in ranks])
-            self.proven += 1
-        else:
-            self.reused += 1
-        substitution = dict(zip(proof.leaves, boundary.cuts + boundary.frees))
-        substitution.update(zip(proof.reference_outputs, ref_outputs))
-        return [transplant(proof.rules.u, rules, outs, substitution) for outs in proof.rank_outputs]
+            self._nested += 1
+            try:
+                proof = self.proofs[key] = prove_call(boundary, reference.instance.template, [i.template for _, i, _ in ranks], self)
+            finally:
+                self._nested -= 1
+        if shape is not None and shape.key not in self.shapes:
+            frees = [shape.atoms.index(t) for t in boundary.frees if t in shape.atoms]
+            self.shapes[shape.key] = _Answer(proof, frees) if len(frees) == len(boundary.frees) else None
+        return _carried(rules, proof, reference, boundary.frees)
 
 
-def prove_call(boundary: Boundary, reference: Template, ranks: list[Template]) -> CallProof:
-    """Run the reference template and the rank templates over the boundary, in a universe of their own."""
+    def _count(self, reused: bool) -> None:
+        if not self._nested:
+            self.reused += reused
+            self.proven += not reused
+
+
+def _carried(rules: Rules, proof: CallProof, reference: ReferenceCall, frees: list[int]) -> list[list[int]]:
+    """The proof's rank outputs in `rules`' universe: its cut leaves are the reference's arguments,
+    its free leaves `frees`, its reference outputs the reference call's."""
+    substitution = dict(zip(proof.leaves, list(dict.fromkeys(reference.args)) + frees))
+    substitution.update(zip(proof.reference_outputs, reference.outputs))
+    return [transplant(proof.rules.u, rules, outs, substitution) for outs in proof.rank_outputs]
+
+
+def _pattern(terms: list[int]) -> tuple[int, ...]:
+    """Which of `terms` are the same term."""
+    first: dict[int, int] = {}
+    return tuple(first.setdefault(t, len(first)) for t in terms)
+
+
+def prove_call(boundary: Boundary, reference: Template, ranks: list[Template], proofs: CallProofs) -> CallProof:
+    """Run the reference template and the rank templates over the boundary, in a universe of their
+    own. Calls inside the templates (a decoder layer's attention and MLP) are proven as calls, with
+    `proofs`: a layer whose parts were proven costs its own ops; where they do not line up or
+    agree, the templates are expanded."""
+    try:
+        return _over_boundary(boundary, reference, ranks, lambda t: t.graph, proofs)
+    except (NotPartitioned, Unmatched):
+        return _over_boundary(boundary, reference, ranks, Template.expanded, CallProofs())
+
+
+def _over_boundary(
+    boundary: Boundary, reference: Template, ranks: list[Template], graph_of: Callable[[Template], Graph], proofs: CallProofs
+) -> CallProof:
     rules = Rules()
     terms: list[int] = []
     first_rank_entry = len(boundary.cuts)  # cut entries come first: the reference's arguments
     build_entries(rules, boundary.entries, terms, first_rank_entry)
-    ref_graph = reference.expanded()
+    ref_graph, graphs = aligned(graph_of(reference), [graph_of(t) for t in ranks])
     ref_terms = run_reference(rules, ref_graph, _bindings(boundary.reference_args, terms))
     build_entries(rules, boundary.entries, terms)
-    graphs = [t.expanded() for t in ranks]
     bound = [_bindings(args, terms) for args in boundary.rank_args]
-    rank_terms = run_ranks(rules, graphs, bound, [], CallProofs())
+    rank_terms = run_ranks(rules, graphs, bound, reference_calls(ref_graph, ref_terms), proofs)
     leaves = [terms[i] for i, entry in enumerate(boundary.entries) if entry[0] == "cut"]
     leaves += [terms[i] for i, entry in enumerate(boundary.entries) if entry[0] == "free"]
     ref_outputs = [ref_terms[i] for i in ref_graph.outputs]
@@ -170,6 +231,13 @@ def prove_call(boundary: Boundary, reference: Template, ranks: list[Template]) -
         for r, (template, g, terms_r) in enumerate(zip(ranks, graphs, rank_terms))
     ]
     return CallProof(rules, leaves, ref_outputs, rank_outputs)
+
+
+def reference_calls(reference: Graph, terms: list[int]) -> list[ReferenceCall]:
+    return [
+        ReferenceCall(c, [terms[i] for i in c.inputs], [terms[o] for o in c.outputs], argument_ops(reference, c.inputs), terms)
+        for c in instances(reference)
+    ]
 
 
 def _bindings(entries: tuple[int, ...], terms: list[int]) -> Bindings:
@@ -188,8 +256,8 @@ def execute_with_calls(
         raise NotPartitioned("the ranks make other module calls than the reference")
     rules = Rules()
     ref_terms = run_reference(rules, reference, {})
-    calls = [(c, [ref_terms[i] for i in c.inputs], [ref_terms[o] for o in c.outputs]) for c in ref_calls]
     bound = {f"{BOUND_LEAF_PREFIX}{i}": ref_terms[out] for i, out in enumerate(reference.outputs)}
+    calls = reference_calls(reference, ref_terms)
     return Execution(rules, ref_terms, run_ranks(rules, ranks, [bound for _ in ranks], calls, proofs, on_call))
 
 
@@ -205,7 +273,7 @@ def run_ranks(
     rules: Rules,
     graphs: list[Graph],
     bound: list[Bindings],
-    ref_calls: list[tuple[Instance, list[int], list[int]]],
+    ref_calls: list[ReferenceCall],
     proofs: CallProofs,
     on_call: OnCall = lambda done, total: None,
 ) -> list[Terms]:
@@ -213,7 +281,8 @@ def run_ranks(
     or the next call for every rank at once. Unmatched once a call's outputs on some rank stop
     agreeing with the reference (not built from its values by layout and linear structure): what
     follows depends on them, and is better diagnosed where it starts."""
-    terms = [Terms(rules, graph, bindings) for graph, bindings in zip(graphs, bound)]
+    leaves: dict[int, dict[str, int]] = {}  # by bindings: ranks bound alike share their leaves' terms
+    terms = [Terms(rules, graph, bindings, leaves.setdefault(id(bindings), {})) for graph, bindings in zip(graphs, bound)]
     agreeing: dict[int, bool] = {}
     cursors = [0] * len(graphs)
     calls = [instances(g) for g in graphs] if ref_calls else []
@@ -238,7 +307,7 @@ def run_ranks(
         if any(inst.outputs != tuple(range(cursors[r], cursors[r] + len(inst.outputs))) for r, inst in enumerate(here)):
             raise NotPartitioned("a call's outputs are not consecutive")
         try:
-            outputs = proofs.outputs(rules, ref_calls[done], [(inst, [terms[r][i] for i in inst.inputs]) for r, inst in enumerate(here)])
+            outputs = proofs.outputs(rules, ref_calls[done], [(graphs[r], inst, terms[r]) for r, inst in enumerate(here)])
         except CollectiveMismatch as mismatch:
             raise Unmatched(done) from mismatch
         if not all(grounded(rules, t, agreeing) for outs in outputs for t in outs):
@@ -276,8 +345,9 @@ class Terms:
     one with the same shape (`CallProofs.outputs`) never reads its arguments: at 64 ranks of 126
     layers, building them was most of the proof."""
 
-    def __init__(self, rules: Rules, graph: Graph, bound: Bindings):
+    def __init__(self, rules: Rules, graph: Graph, bound: Bindings, leaves: dict[str, int]):
         self.rules, self.graph, self.bound = rules, graph, bound
+        self.leaves = leaves  # leaf name -> term, shared with the ranks bound alike
         self.built: list[int | None] = []
 
     def __len__(self) -> int:
@@ -312,5 +382,12 @@ class Terms:
                     due.add(j)
                     stack.append(j)
         for i in sorted(due):
-            built[i] = term_of(self.rules, nodes[i], built, self.graph.rank, self.bound)  # type: ignore[arg-type]
+            node = nodes[i]
+            if node.op != "leaf":
+                built[i] = term_of(self.rules, node, built, self.graph.rank, self.bound)  # type: ignore[arg-type]
+                continue
+            name = node.attrs[0]
+            if name not in self.leaves:
+                self.leaves[name] = term_of(self.rules, node, built, self.graph.rank, self.bound)  # type: ignore[arg-type]
+            built[i] = self.leaves[name]
         return built[index]  # type: ignore[return-value]

@@ -21,6 +21,7 @@ gradients through the copies as through the module.
 from __future__ import annotations
 
 import itertools
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
@@ -235,11 +236,13 @@ class CallMemo:
         by_id = {r.id: r for r in self.regions.values() if r.copies}
         try:
             self._lower_differentiated(gm, lower)
-            for region_id, (enter, body, outputs) in _regions(gm.graph, set(by_id)).items():
-                region, inputs = by_id[region_id], list(enter.args[0])
+            while by_id:  # innermost first: an outer template then calls the inner ones
+                region_id, (enter, body, outputs, exit_marker) = next(iter(_regions(gm.graph, set(by_id)).items()))
+                region, inputs = by_id.pop(region_id), list(enter.args[0])
                 sub = _subgraph(gm, inputs, body, outputs, region.key)
                 graph = lower(sub, argument_names(len(inputs)), region.reduce_ops)
                 _TEMPLATES[region_id] = Template(region.module, graph, locate(enter))
+                _as_call(gm.graph, (enter, exit_marker), body, outputs, self._site(region.module))
             return lower(gm, leaf_names, self.reduce_ops)
         finally:
             self.forget()
@@ -333,15 +336,16 @@ def repeated_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, module) for name, module, key in keyed if key is not None and counts[key] > 1]
 
 
-def _regions(graph: fx.Graph, wanted: set[int]) -> dict[int, tuple[fx.Node, list[fx.Node], list[fx.Node]]]:
-    """(enter marker, body, outputs) of each wanted region, ordered by where it ends (inner ones first)."""
+def _regions(graph: fx.Graph, wanted: set[int]) -> dict[int, tuple[fx.Node, list[fx.Node], list[fx.Node], fx.Node]]:
+    """(enter marker, body, outputs, exit marker) of each wanted region, ordered by where it ends
+    (inner ones first)."""
     enter: dict[int, fx.Node] = {}
     bodies: dict[int, list[fx.Node]] = {}
     found = {}
     for node in graph.nodes:
         if node.target is torch.ops.shardproof.region_exit.default and node.args[1] in enter:
             region_id = node.args[1]
-            found[region_id] = (enter.pop(region_id), bodies.pop(region_id), list(node.args[0]))
+            found[region_id] = (enter.pop(region_id), bodies.pop(region_id), list(node.args[0]), node)
         for body in bodies.values():
             body.append(node)
         if node.target is torch.ops.shardproof.region_enter.default and node.args[1] in wanted:
@@ -375,6 +379,28 @@ def _subgraph(gm: Traced | fx.GraphModule, inputs: list[fx.Node], body: list[fx.
         env[node] = graph.node_copy(node, mapped)
     graph.output([mapped(node) for node in outputs])
     return Traced(graph, gm)
+
+
+def _as_call(graph: fx.Graph, markers: tuple[fx.Node, fx.Node], body: list[fx.Node], outputs: list[fx.Node], site: int) -> None:
+    """The first call's ops replaced by a call of its template, as its copies are: every rank then
+    proves it with them, instead of building its ops rank by rank. Left inline where a later op
+    reads one of its values other than its outputs."""
+    enter, exit_marker = markers
+    inside = {*body, exit_marker}
+    if any(user not in inside for node in body if node not in outputs for user in node.users):
+        return
+    with graph.inserting_after(exit_marker):
+        call = graph.call_function(torch.ops.shardproof.call.default, (list(enter.args[0]), enter.args[1], site))
+    call.meta = {key: value for key, value in enter.meta.items() if key == "stack_trace"}
+    call.meta["val"] = [node.meta["val"] for node in outputs]
+    anchor = call
+    for i, output in enumerate(outputs):
+        with graph.inserting_after(anchor):
+            anchor = graph.call_function(operator.getitem, (call, i))
+        anchor.meta["val"] = output.meta["val"]
+        output.replace_all_uses_with(anchor, delete_user_cb=lambda user: user not in inside)
+    for node in reversed([enter, *body, exit_marker]):
+        graph.erase_node(node)
 
 
 def _lower_call(lo: from_fx.Lowerer, inputs: list, region: int, site: int) -> tuple[int, ...]:

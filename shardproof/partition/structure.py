@@ -6,16 +6,16 @@ as the proof of its one distinct layer."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Hashable, TypeVar
 from weakref import WeakKeyDictionary
 
 from shardproof.ir.graph import Graph
 
 T = TypeVar("T")
-_FACTS: WeakKeyDictionary[Any, dict[str, Any]] = WeakKeyDictionary()
+_FACTS: WeakKeyDictionary[Any, dict[Hashable, Any]] = WeakKeyDictionary()
 
 
-def structural(graph: Graph, fact: str, compute: Callable[[Graph], T]) -> T:
+def structural(graph: Graph, fact: Hashable, compute: Callable[[Graph], T]) -> T:
     """`compute(graph)`, which must read only ops, inputs and shapes, once per structure."""
     if graph.structure is None:
         return compute(graph)

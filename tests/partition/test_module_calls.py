@@ -108,7 +108,7 @@ def _assert_computes_what_torch_does(make: Callable[[], nn.Module], captured: Ca
 def test_repeated_layers_are_traced_once_and_expand_to_what_torch_computes() -> None:
     make = lambda: Stack([Block() for _ in range(DEPTH)])  # noqa: E731
     captured = capture(_case(make), 2)
-    assert len(_block_calls(captured)) == DEPTH - 1, "every block after the first is a call"
+    assert len(_block_calls(captured)) == DEPTH, "every block is a call of the first one's template, the first too"
     assert captured.reference.op_count() == capture(_case(make), 2, memo=False).reference.op_count()
     _assert_computes_what_torch_does(make, captured)
 

@@ -24,6 +24,7 @@ class Rules(RegionRules, ViewRules, LinearRules):
         self.reference_size: int | None = None  # terms below this id were built by the reference
         self.reference_boxes: dict[int, set[Box]] = {}  # root -> boxes the reference sliced it to
         self.reference_one_hots: dict[tuple[int, int], set[int]] = {}  # (dim, index) -> widths the reference wrote
+        self._built: dict[tuple, int] = {}  # once the reference is built: (op, args, attrs, shape, dtype) -> term
 
     def in_reference(self, t: int) -> bool:
         """Where two normal forms are both true, rules prefer the one the reference built."""
@@ -31,12 +32,17 @@ class Rules(RegionRules, ViewRules, LinearRules):
 
     # --- entry point for IR ops -------------------------------------------------------------------
     def build(self, op: str, args: tuple[int, ...], attrs: tuple, shape: tuple[int, ...], dtype: str) -> int:
-        """The normal-form term of IR op `op` applied to terms `args`."""
+        """The normal-form term of IR op `op` applied to terms `args`. Once the reference is built,
+        what the rules prefer is settled, so an op the ranks repeat (each rank's view of one
+        all-gathered tensor) is normalized once."""
+        key = (op, args, attrs, shape, dtype)
+        if key in self._built:
+            return self._built[key]
         special = _BY_OP.get(op)
-        if special is not None:
-            return special(self, args, attrs, shape, dtype)
-        kind = OPS[op].kind
-        return _BY_KIND[kind](self, op, args, attrs, shape, dtype)
+        term = special(self, args, attrs, shape, dtype) if special is not None else _BY_KIND[OPS[op].kind](self, op, args, attrs, shape, dtype)
+        if self.reference_size is not None:
+            self._built[key] = term
+        return term
 
     def shape(self, t: int) -> tuple[int, ...]:
         return self.u[t].shape
