@@ -13,6 +13,7 @@ from shardproof.relations.diagnose.agreement import PIECES, grounded
 from shardproof.relations.diagnose.collectives import CollectiveFaults
 from shardproof.relations.diagnose.finding import Finding
 from shardproof.relations.diagnose.missing_reduction import MissingReductions
+from shardproof.relations.diagnose.overlap import OverlappingShards
 from shardproof.relations.diagnose.shards import RankChunks
 from shardproof.relations.diagnose.wrong_layout import LayoutFaults
 from shardproof.relations.diagnose.wrong_scale import ScaleFaults
@@ -21,7 +22,7 @@ from shardproof.relations.rules import Rules
 from shardproof.relations.skipped import skipped_backward
 
 
-class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, LayoutFaults, RankChunks):
+class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, OverlappingShards, LayoutFaults, RankChunks):
     def __init__(self, run: Execution, reference: Graph, ranks: list[Graph]):
         self.run = run
         self.r: Rules = run.rules
@@ -64,7 +65,11 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, LayoutFaults, 
         divergence = self._first_divergence(mismatched_outputs)
         if divergence is not None:
             rank, node, chain = divergence
-            found = self._misassembled_input(rank, node) or self._mixing_reshape(rank, chain)
+            found = (
+                self._misassembled_input(rank, node)
+                or self._mixing_reshape(rank, chain)
+                or self._misaligned_contraction(rank, chain)
+            )
             if found is not None:
                 return found
             if OPS[node.op].kind == "collective":

@@ -1,0 +1,107 @@
+"""Overlapping shards: a sum over ranks of contractions in which a rank cut one operand at another
+offset than the other, so that over the ranks that operand's shards overlap and leave a gap. The
+sum then never reads the elements in the gap and counts those in the overlap twice: it differs
+from the reference's for almost all weights, a structural fault. A part of `Diagnoser`.
+"""
+
+from __future__ import annotations
+
+from shardproof.ir.graph import Node
+from shardproof.relations.diagnose.finding import Finding
+
+Span = tuple[int, int]
+OPERANDS = ("first", "second")
+
+
+class OverlappingShards:
+    """Contractions whose operands are cut at different offsets, summed over ranks."""
+
+    def _misaligned_contraction(self, rank: int, chain: list[Node]) -> Finding | None:
+        """The first op of the disagreeing chain contracts two regions of the reference's operands
+        over different ranges, and a sum over ranks further down the chain adds it up."""
+        first = chain[0]
+        if first.op != "matmul":
+            return None
+        contraction = self._contraction(self.run.ranks[rank][first.id])
+        if contraction is None:
+            return None
+        roots, spans, size = contraction
+        if spans[0] == spans[1]:
+            return None
+        collective = next((n for n in chain if _sums_over_ranks(n)), None)
+        if collective is None:
+            return None
+        covered = self._covered(self.run.ranks[rank][collective.id], roots)
+        faults = [_faults(operand, size) for operand in covered]
+        if sorted(map(bool, faults)) != [False, True]:
+            return None  # one operand's shards tile the axis (every rank's part was read), the other's do not
+        wrong = 0 if faults[0] else 1
+        culprit = self._loader_slice(rank, self.ranks[rank][first.inputs[wrong]], unnatural=True)
+        message = (
+            f"wrong layout (overlapping shards): on rank {rank}, `{first.op}` contracts [{spans[0][0]}:{spans[0][1]}) of "
+            f"its first operand with [{spans[1][0]}:{spans[1][1]}) of its second, out of {size}; summed over ranks "
+            f"{list(collective.attrs[-1])} by `{collective.op}`, the ranks' shards of its {OPERANDS[wrong]} operand "
+            f"{faults[wrong]}"
+        )
+        if culprit is not None:
+            message += f": rank {rank}'s shard {_named(self.ranks[rank], culprit)} is not its own chunk"
+        sites = [(rank, culprit)] if culprit is not None else []
+        return Finding("discrepancy", "overlapping shards", message, sites + [(rank, first), (rank, collective)])
+
+    def _contraction(self, t: int) -> tuple[tuple[int, int], tuple[Span, Span], int] | None:
+        """A matmul of regions of two tensors (their roots), the spans of the contracted axis each
+        region covers, and that axis' size; None for anything else."""
+        term = self.r.u[t]
+        if term.op != "matmul":
+            return None
+        (ra, box_a), (rb, box_b) = (self.r.as_region(a) for a in term.args)
+        size = self.r.shape(ra)[-1]
+        if (ra, rb) == term.args or len(box_b) < 2 or size != self.r.shape(rb)[-2]:
+            return None
+        return (ra, rb), (box_a[-1], box_b[-2]), size
+
+    def _covered(self, t: int, roots: tuple[int, int]) -> tuple[list[Span], list[Span]]:
+        """Per operand, the spans of the contracted axis that the parts of the sum `t` cover, over
+        contractions of the same two roots: a piece covers its range in both operands."""
+        term = self.r.u[t]
+        covered: tuple[list[Span], list[Span]] = ([], [])
+        for part in term.args if term.op == "lin" else (t,):
+            p = self.r.u[part]
+            if p.op == "piece" and p.attrs[0][0] == "matmul" and self.r.u[p.attrs[0][1]].args == roots:
+                spans = ((p.attrs[1], p.attrs[2]),) * 2
+            else:
+                contraction = self._contraction(part)
+                if contraction is None or contraction[0] != roots:
+                    continue
+                spans = contraction[1]
+            for operand, span in zip(covered, spans):
+                operand.append(span)
+        return covered
+
+
+def _sums_over_ranks(node: Node) -> bool:
+    return node.op == "reduce_scatter" or (node.op == "all_reduce" and node.attrs[0] == "sum")
+
+
+def _faults(spans: list[Span], size: int) -> str:
+    """How the spans fail to cover [0, size) exactly once: where they overlap, what they leave out;
+    empty when they tile it."""
+    overlaps, gaps, reached = [], [], 0
+    for lo, hi in sorted(spans):
+        if lo > reached:
+            gaps.append((reached, lo))
+        elif lo < reached:
+            overlaps.append((lo, min(hi, reached)))
+        reached = max(reached, hi)
+    if reached < size:
+        gaps.append((reached, size))
+    said = [what + ", ".join(f"[{lo}:{hi})" for lo, hi in found) for what, found in (("overlap at ", overlaps), ("leave out ", gaps)) if found]
+    return " and ".join(said)
+
+
+def _named(graph, slice_node: Node) -> str:
+    """A loader slice as `name`[dim lo:hi), naming the state tensor it cuts (which names the layer)."""
+    dim, lo, hi = slice_node.attrs
+    source = graph[slice_node.inputs[0]]
+    name = str(source.attrs[0]).removeprefix("state:") if source.op == "leaf" else source.name
+    return f"of `{name}` (dim {dim}, [{lo}:{hi}))"
