@@ -41,6 +41,7 @@ class Row:
     calls_proven: int | None = None
     calls_reused: int | None = None
     note: str | None = None
+    culprit: tuple[str, int, int | None] | None = None  # a discrepancy's first site: file name, line, rank
 
     def cells(self) -> list[str]:
         seconds = [fmt(s, ".2f") for s in (self.capture, self.proof, self.total)]
@@ -89,7 +90,13 @@ def measure(
         "calls_proven": report.calls_proven,
         "calls_reused": report.calls_reused,
         "note": report.diagnosis,
+        "culprit": _culprit(report.distributed),
     }
+
+
+def _culprit(sites: list) -> tuple[str, int, int | None] | None:
+    """The first site a discrepancy names (the most likely culprit): file name, line, rank."""
+    return (Path(sites[0].file).name, sites[0].line, sites[0].rank) if sites else None
 
 
 # --------------------------------------------------------------------------------------------
