@@ -101,3 +101,5 @@ def test_too_large_to_run_only_structural_faults_stand() -> None:
     assert "not confirmed numerically" in findings[0].message  # the user learns the finding is unchecked
     [alone] = confirmed(never, [layout], NUMERIC_CHECK_LIMIT + 1)
     assert alone.verdict == "unknown" and "too large" in alone.message
+    [overlap] = confirmed(never, [_finding(GRADIENT, "overlapping shards", None)], NUMERIC_CHECK_LIMIT + 1)
+    assert overlap.verdict == "discrepancy", "a sum over ranks that never reads a column is structural"

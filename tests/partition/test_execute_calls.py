@@ -69,6 +69,32 @@ def test_a_wrong_shard_in_one_layer_on_one_rank_is_diagnosed_as_without_memoizat
     assert (report.diagnosis, report.distributed) == (plain.diagnosis, plain.distributed), "as without memoization"
 
 
+def test_a_shard_one_column_off_in_one_layer_on_one_rank_is_overlapping_shards_at_the_loader_line() -> None:
+    """One rank cuts one layer's down_proj columns one further on: its shard overlaps the next
+    rank's and no rank holds the column before it, so the all-reduce never reads that column (a
+    structural fault). Blamed on the loader's slice, naming the tensor it cuts, hence the layer."""
+    case = _llama()
+    original = case.shard_state
+    name = f"layers.{BAD_LAYER}.mlp.down_proj.weight"
+
+    def loader(ref_state: dict, rank: int, world_size: int) -> dict:
+        out = original(ref_state, rank, world_size)
+        if rank == BAD_RANK:
+            width = out[name].shape[1]
+            out[name] = ref_state[name][:, rank * width + 1 : (rank + 1) * width + 1]  # one column off
+        return out
+
+    case = _with_loader(case, loader)
+    report = verify(case, world_size=WORLD, backend="none")
+    assert not run_numeric(case, WORLD).agree
+    assert report.verdict == "discrepancy", report.diagnosis
+    assert "overlapping shards" in report.diagnosis and f"`{name}`" in report.diagnosis
+    culprit = report.distributed[0]
+    assert (Path(culprit.file).name, culprit.line, culprit.rank) == (Path(__file__).name, _line_of("one column off", loader), BAD_RANK)
+    plain = verify(case, world_size=WORLD, backend="none", memo=False)
+    assert (report.diagnosis, report.distributed) == (plain.diagnosis, plain.distributed), "as without memoization"
+
+
 def test_a_missing_reduction_in_one_layer_is_a_discrepancy() -> None:
     case = _llama()
     module = case.module

@@ -47,14 +47,14 @@ class CollectiveFaults:
         ranges = sorted((self.r.u[p].attrs[1], self.r.u[p].attrs[2], c) for p, c in pieces)
         size = self.r.u[pieces[0][0]].attrs[3]
         covered = ", ".join(f"[{lo}:{hi})" + (f" x{c}" if c != 1 else "") for lo, hi, c in ranges)
-        duplicated = any(c != 1 for _, _, c in ranges)
+        overlapping = any(c != 1 for _, _, c in ranges) or any(a[1] > b[0] for a, b in zip(ranges, ranges[1:]))
         group = node.attrs[-1]
         origin = self._piece_origin(rank, node)
         culprit = self._slice_source(node.id, ranges) or (rank, origin if origin is not None else node)
-        kind = "double counting" if duplicated else "missing reduction"
+        kind = "overlapping shards" if overlapping else "missing reduction"
         return Finding(
             "discrepancy",
-            "wrong layout" if duplicated else kind,
+            kind,
             f"wrong layout ({kind}): `{node.op}` over ranks {list(group)} adds up parts {covered} of a sum over "
             f"an axis of size {size}; the parts must cover it exactly once (a rank holds the wrong shard)",
             [culprit, (rank, node)],

@@ -6,7 +6,8 @@ from the reference's for almost all weights, a structural fault. A part of `Diag
 
 from __future__ import annotations
 
-from shardproof.ir.graph import Node
+from shardproof.ir.graph import Graph, Node
+from shardproof.relations.diagnose.agreement import LAYOUT_OPS
 from shardproof.relations.diagnose.finding import Finding
 
 Span = tuple[int, int]
@@ -36,7 +37,7 @@ class OverlappingShards:
         if sorted(map(bool, faults)) != [False, True]:
             return None  # one operand's shards tile the axis (every rank's part was read), the other's do not
         wrong = 0 if faults[0] else 1
-        culprit = self._loader_slice(rank, self.ranks[rank][first.inputs[wrong]], unnatural=True)
+        culprit = self._cut(rank, self.ranks[rank][first.inputs[wrong]])
         message = (
             f"wrong layout (overlapping shards): on rank {rank}, `{first.op}` contracts [{spans[0][0]}:{spans[0][1]}) of "
             f"its first operand with [{spans[1][0]}:{spans[1][1]}) of its second, out of {size}; summed over ranks "
@@ -44,14 +45,29 @@ class OverlappingShards:
             f"{faults[wrong]}"
         )
         if culprit is not None:
-            message += f": rank {rank}'s shard {_named(self.ranks[rank], culprit)} is not its own chunk"
+            message += f": {_cutting(self.ranks[rank], culprit, rank)}"
         sites = [(rank, culprit)] if culprit is not None else []
         return Finding("discrepancy", "overlapping shards", message, sites + [(rank, first), (rank, collective)])
 
+    def _cut(self, rank: int, operand: Node) -> Node | None:
+        """The slice that cut this rank's operand at the wrong offset: the one it is a layout of
+        (a runtime slice, or the loader's), else the loader slice of another chunk than the rank's
+        own among those it is computed from (an activation of a wrongly cut weight)."""
+        graph = self.ranks[rank]
+        node = operand
+        while node.op in LAYOUT_OPS and node.op != "slice":
+            node = graph[node.inputs[0]]
+        if node.op == "slice":
+            return node if _unnatural(node, rank) else None
+        return self._loader_slice(rank, operand, unnatural=True)
+
     def _contraction(self, t: int) -> tuple[tuple[int, int], tuple[Span, Span], int] | None:
-        """A matmul of regions of two tensors (their roots), the spans of the contracted axis each
-        region covers, and that axis' size; None for anything else."""
+        """A matmul (or a multiple of one: a mean's backward scales it) of regions of two tensors
+        (their roots), the spans of the contracted axis each region covers, and that axis' size;
+        None for anything else."""
         term = self.r.u[t]
+        if term.op == "lin" and len(term.args) == 1:
+            term = self.r.u[term.args[0]]
         if term.op != "matmul":
             return None
         (ra, box_a), (rb, box_b) = (self.r.as_region(a) for a in term.args)
@@ -99,9 +115,16 @@ def _faults(spans: list[Span], size: int) -> str:
     return " and ".join(said)
 
 
-def _named(graph, slice_node: Node) -> str:
-    """A loader slice as `name`[dim lo:hi), naming the state tensor it cuts (which names the layer)."""
+def _unnatural(slice_node: Node, rank: int) -> bool:
+    """The slice does not take chunk `rank` of its dim."""
+    _, lo, hi = slice_node.attrs
+    return lo != rank * (hi - lo)
+
+
+def _cutting(graph: Graph, slice_node: Node, rank: int) -> str:
+    """What the slice cuts, naming the state tensor when it is the loader's (which names the layer)."""
     dim, lo, hi = slice_node.attrs
     source = graph[slice_node.inputs[0]]
-    name = str(source.attrs[0]).removeprefix("state:") if source.op == "leaf" else source.name
-    return f"of `{name}` (dim {dim}, [{lo}:{hi}))"
+    state = source.op == "leaf" and str(source.attrs[0]).startswith("state:")
+    what = f"its shard of `{str(source.attrs[0]).removeprefix('state:')}`" if state else "it"
+    return f"rank {rank} cuts {what} at [{lo}:{hi}) along dim {dim}, not at its own chunk [{rank * (hi - lo)}:{(rank + 1) * (hi - lo)})"

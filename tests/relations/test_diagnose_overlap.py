@@ -1,0 +1,40 @@
+"""Overlapping shards: a rank cuts one operand of a row-parallel contraction at another offset than
+the other, so over the ranks that operand's shards overlap and leave a gap. The diagnosis names the
+kind of fault, the loader line and the tensor it cuts, and agrees with the numbers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from shardproof import verify
+from shardproof.case import load_case
+from shardproof.oracle import run_numeric
+
+MLP = Path(__file__).parents[2] / "examples" / "mlp_tp.py"
+WORLD = 2
+
+
+def _one_row_off(ref_state: dict, rank: int, world_size: int) -> dict:
+    """The default cut (rows of `up`, columns of `down`), but rank 0's `up` rows start one further
+    on: its activations are columns [1, ffn/n + 1) while its `down` columns are [0, ffn/n)."""
+    out = {}
+    for name, tensor in ref_state.items():
+        dim = 0 if name.startswith("up.") else (1 if name == "down.weight" else None)
+        out[name] = tensor if dim is None else tensor.chunk(world_size, dim)[rank]
+    width = out["up.bias"].shape[0]
+    if rank == 0:
+        out["up.weight"], out["up.bias"] = ref_state["up.weight"][1 : width + 1], ref_state["up.bias"][1 : width + 1]  # BUG
+    return out
+
+
+def test_an_activation_shard_one_row_off_is_overlapping_shards_at_the_loader_line() -> None:
+    case = load_case(MLP)
+    case.shard_state = _one_row_off
+    case.source_functions.append(_one_row_off)
+    report = verify(case, world_size=WORLD)
+    assert not run_numeric(case, WORLD).agree
+    assert report.verdict == "discrepancy", report.diagnosis
+    assert "overlapping shards" in report.diagnosis and "first operand" in report.diagnosis
+    assert "`up.weight`" in report.diagnosis
+    culprit = report.distributed[0]
+    assert (Path(culprit.file).name, culprit.rank) == (Path(__file__).name, 0) and "# BUG" in culprit.code
