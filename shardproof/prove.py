@@ -9,6 +9,7 @@ not settle it, the expanded programs are proven.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Callable
@@ -130,25 +131,27 @@ def _about(check: Check, finding: Finding, named: bool) -> Finding:
 
 
 def unproven_outputs(run: Execution, reference: Graph, ranks: list[Graph], check: Check, notes: list[str]) -> list[tuple[int, int]]:
-    """The (rank, output index) pairs where `check` is not proven."""
+    """The (rank, output index) pairs where `check` is not proven. Ranks often hold the very same
+    term (the result of an all-reduce): each distinct pair is compared once."""
     rules = run.rules
+    same = functools.cache(lambda term, expected: _equal(run, term, expected))
     actual = [run.ranks[g.rank][g.outputs[check.actual]] for g in ranks]
     if check.relation == "rank":
         expected = [run.ranks[g.rank][g.outputs[check.expected]] for g in ranks]
-        return [(g.rank, check.actual) for g, a, e in zip(ranks, actual, expected) if not _equal(run, a, e)]
+        return [(g.rank, check.actual) for g, a, e in zip(ranks, actual, expected) if not same(a, e)]
     wanted = run.reference[reference.outputs[check.expected]]
     if check.relation == "loss":
-        if all(_equal(run, a, wanted) for a in actual):
+        if all(same(a, wanted) for a in actual):
             return []
         mean = rules.lin([(a, Fraction(1, len(actual))) for a in actual])
-        if _equal(run, mean, wanted):
+        if same(mean, wanted):
             notes.append(f"{check.label}: the mean of the {len(actual)} ranks' values equals the reference value")
             return []
         return [(g.rank, check.actual) for g in ranks]
     if check.relation[0] == "shard":
         whole = rules.cat(actual, check.relation[1] % len(rules.shape(wanted)))
-        return [] if _equal(run, whole, wanted) else [(g.rank, check.actual) for g in ranks]
-    return [(g.rank, check.actual) for g, a in zip(ranks, actual) if not _equal(run, a, wanted)]
+        return [] if same(whole, wanted) else [(g.rank, check.actual) for g in ranks]
+    return [(g.rank, check.actual) for g, a in zip(ranks, actual) if not same(a, wanted)]
 
 
 def _equal(run: Execution, term: int, expected: int) -> bool:
