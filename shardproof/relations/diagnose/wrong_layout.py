@@ -39,10 +39,11 @@ class LayoutFaults:
         """The first op of the disagreeing chain whose value reshapes data so that axes mix, e.g.
         (seq*batch, h) read as (batch, seq, h): a group of several dims becomes several dims of
         other sizes. Reshapes compose in the normal form, so this shows even when each op alone
-        only merges or splits."""
+        only merges or splits. Terms already searched (shared by the chain's values) are not searched again."""
         terms = self.run.ranks[rank]
+        searched: set[int] = set()
         for node in chain:
-            mixed = self._mixing_view(terms[node.id], set())
+            mixed = self._mixing_view(terms[node.id], searched)
             if mixed is not None:
                 return Finding(
                     "discrepancy",
