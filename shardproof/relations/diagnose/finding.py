@@ -13,7 +13,7 @@ from shardproof.ir.graph import Node
 @dataclass
 class Finding:
     verdict: str  # "discrepancy" or "unknown"
-    kind: str  # missing reduction, double counting, wrong scale, wrong layout, wrong axis, unknown
+    kind: str  # missing reduction, overlapping shards, double counting, wrong scale, wrong layout, wrong axis, unknown
     message: str
     distributed: list[tuple[int, Node]] = field(default_factory=list)  # (rank, node), culprit first
     reference: list[Node] = field(default_factory=list)

@@ -1,6 +1,6 @@
 """Overlapping shards: a sum over ranks of contractions in which a rank cut one operand at another
 offset than the other, so that over the ranks that operand's shards overlap and leave a gap. The
-sum then never reads the elements in the gap and counts those in the overlap twice: it differs
+sum then never reads the elements in the gap, on which the reference's sum depends: it differs
 from the reference's for almost all weights, a structural fault. A part of `Diagnoser`.
 """
 
