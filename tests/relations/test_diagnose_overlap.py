@@ -38,3 +38,12 @@ def test_an_activation_shard_one_row_off_is_overlapping_shards_at_the_loader_lin
     assert "`up.weight`" in report.diagnosis
     culprit = report.distributed[0]
     assert (Path(culprit.file).name, culprit.rank) == (Path(__file__).name, 0) and "# BUG" in culprit.code
+
+
+def test_pieces_counted_twice_by_a_sum_over_ranks_are_overlapping_shards() -> None:
+    """Every rank loads shard 0: the all-reduce adds piece [0, n/2) twice and never reads the rest,
+    a structural fault (it stands without numbers on a model too large to run)."""
+    case = load_case(Path(__file__).parents[1] / "cases" / "all-ranks-shard-0_buggy.py")
+    report = verify(case, world_size=WORLD)
+    assert not run_numeric(case, WORLD).agree
+    assert report.verdict == "discrepancy" and "wrong layout (overlapping shards)" in report.diagnosis
