@@ -10,8 +10,10 @@ with those leaves replaced by the reference's actual arguments and its outputs b
 The outcome is the same universe a full execution would build, up to the opaque terms: the caller
 compares outputs as usual.
 
-A boundary already proven is not proven again: 125 identical layers share one small proof. Calls
-that do not line up between the reference and the ranks raise NotPartitioned.
+A boundary already proven is not proven again: 125 identical layers share one small proof; a call
+of a shape proven before (see `call_shapes`) does not even read its boundary, and a rank's terms
+are built only when read (`Terms`), so its arguments are never built. Calls that do not line up
+between the reference and the ranks raise NotPartitioned.
 """
 
 from __future__ import annotations
@@ -264,7 +266,11 @@ def execute_with_calls(
 def run_reference(rules: Rules, graph: Graph, bound: Bindings) -> list[int]:
     """The reference's terms (calls opaque); afterwards the universe's terms so far count as the reference's."""
     terms: list[int] = []
-    _run_local(rules, graph, terms, bound)
+    for node in graph.nodes:
+        if node.op == "call":
+            terms.append(rules.literal("call", tuple(terms[i] for i in node.inputs), node.attrs, node.shape, node.dtype))
+        else:
+            terms.append(term_of(rules, node, terms, graph.rank, bound))
     rules.reference_size = len(rules.u)
     return terms
 
@@ -327,15 +333,6 @@ def _next_sync(graph: Graph, start: int) -> int:
 def _syncs(graph: Graph) -> list[int]:
     """Where a rank waits for the others (a call, a collective), then the end."""
     return [n.id for n in graph.nodes if n.op == "call" or OPS[n.op].kind == "collective"] + [len(graph.nodes)]
-
-
-def _run_local(rules: Rules, graph: Graph, terms: list[int], bound: Bindings) -> None:
-    """The reference's terms, calls opaque."""
-    for node in graph.nodes:
-        if node.op == "call":
-            terms.append(rules.literal("call", tuple(terms[i] for i in node.inputs), node.attrs, node.shape, node.dtype))
-        else:
-            terms.append(term_of(rules, node, terms, graph.rank, bound))
 
 
 class Terms:

@@ -21,7 +21,7 @@ from shardproof.partition.templates import Template
 class RankClass:
     graph: Graph  # traced at one rank, symbolic ints in its attrs (and in its templates')
     guards: frozenset[Guard]
-    _symbolic: set[int] | None = field(default=None, repr=False)  # ids of the graph's nodes to evaluate
+    _symbolic: set[int] | None = field(default=None, repr=False)
     _templates: dict[tuple[int, int], Template] = field(default_factory=dict, repr=False)
     _known: dict[int, bool] = field(default_factory=dict, repr=False)  # template id -> mentions the rank
 
@@ -30,9 +30,14 @@ class RankClass:
 
     def at(self, rank: int) -> Graph:
         """The graph of `rank` (which the class covers); its nodes are evaluated when read."""
+        return Graph(_RankNodes(self, rank), list(self.graph.outputs), rank, structure=self)
+
+    @property
+    def symbolic(self) -> set[int]:
+        """Ids of the graph's nodes that depend on the rank."""
         if self._symbolic is None:
             self._symbolic = {node.id for node in self.graph.nodes if self._mentions(node)}
-        return Graph(_RankNodes(self, rank), list(self.graph.outputs), rank, structure=self)
+        return self._symbolic
 
     def node_at(self, node: Node, rank: int) -> Node:
         if node.op == "call":
@@ -79,7 +84,7 @@ class _RankNodes(Sequence[Node]):
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self.base)))]
         node = self.base[index]
-        if node.id not in self.owner._symbolic:
+        if node.id not in self.owner.symbolic:
             return node
         if node.id not in self.evaluated:
             self.evaluated[node.id] = self.owner.node_at(node, self.rank)
