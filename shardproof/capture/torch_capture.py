@@ -65,9 +65,10 @@ def capture(
     A rank's trace also takes the reference outputs its program is bound to (training mode: the
     reference gradients) as leaves named `reference-output:<index>`. With `memo`, a module call
     interchangeable with an earlier one is not traced again but becomes a `call` of the earlier
-    one's graph (see shardproof.partition.module_calls). `placement`, given the seconds rank 0
-    took, may return a function tracing the other ranks elsewhere (a worker pool, see
-    shardproof.partition.backends) that yields their graphs in rank order (forward mode only)."""
+    one's graph (see shardproof.partition.module_calls). A forward program is traced for many ranks
+    at once where it can be (`_RankClasses`). `placement`, given the seconds the first rank traced
+    on its own took, may return a function tracing the ranks no class covers elsewhere (a worker
+    pool, see shardproof.partition.backends), yielding their graphs in rank order."""
     start = time.perf_counter()
     with _session(case, world_size, mode) as session:
         progress("tracing reference")
@@ -80,21 +81,24 @@ def capture(
             ranks.append(graph)
             claims.append(session.program.checks(len(reference.outputs), len(graph.outputs), trained))
 
-        rest: RankTracer | None = None
         classes = _RankClasses(session, memo)
+        elsewhere: dict[int, Graph] = {}  # graphs of ranks traced by workers
+        asked = bool(session.program.bound)  # workers trace forward programs only
         for rank in range(world_size):
-            if rest is not None:
-                progress(f"tracing ranks {rank}..{world_size - 1} in workers")
-                for graph in rest(list(range(rank, world_size))):
-                    claimed(graph, Trained())  # workers trace forward programs only: no parameter claims
-                break
             progress(f"tracing rank {rank}/{world_size}")
-            traced = time.perf_counter()
-            graph = classes.graph(rank)
-            claimed(*((graph, Trained()) if graph is not None else _trace_rank(session, rank, bound, memo)))
+            graph = elsewhere.pop(rank, None) or classes.graph(rank)
+            if graph is not None:  # workers trace forward programs only: no parameter claims
+                claimed(graph, Trained())
+            else:
+                traced = time.perf_counter()
+                claimed(*_trace_rank(session, rank, bound, memo))
+                rest = None if asked else placement(time.perf_counter() - traced)
+                asked = True
+                if rest is not None:
+                    uncovered = [r for r in range(rank + 1, world_size) if not classes.cover(r)]
+                    progress(f"tracing {len(uncovered)} ranks in workers")
+                    elsewhere = dict(zip(uncovered, rest(uncovered)))
             count(progress, "ranks traced", rank + 1, world_size)
-            if rank == 0 and not session.program.bound and not classes.found:
-                rest = placement(time.perf_counter() - traced)
     return Captured(reference, ranks, agreed(claims), time.perf_counter() - start)
 
 
@@ -261,11 +265,15 @@ class _RankClasses:
         self.singletons = 0
         self.trying = True
 
+    def cover(self, rank: int) -> RankClass | None:
+        """The class found so far that covers the rank."""
+        return next((known for known in self.found if known.covers(rank)), None)
+
     def graph(self, rank: int) -> Graph | None:
         """The rank's graph from a class, None if it must be traced as it is."""
-        for known in self.found:
-            if known.covers(rank):
-                return known.at(rank)
+        known = self.cover(rank)
+        if known is not None:
+            return known.at(rank)
         if not self.trying:
             return None
         found = _rank_class(self.session, rank, self.memo)
