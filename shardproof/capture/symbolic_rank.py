@@ -73,7 +73,7 @@ def _narrowing(narrow: Any) -> Any:
     mode saw it."""
 
     def narrow_at(tensor: torch.Tensor, dim: int, start: Any, length: int) -> torch.Tensor:
-        if not isinstance(start, RankExpr) or not isinstance(dim, int) or isinstance(length, RankExpr):
+        if not isinstance(start, RankExpr) or type(dim) is not int or isinstance(length, RankExpr):
             return narrow(tensor, dim, start, length)
         dim = dim + tensor.dim() if dim < 0 else dim
         return tensor[(slice(None),) * dim + (slice(start, start + length),)]

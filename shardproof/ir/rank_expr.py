@@ -86,6 +86,12 @@ class RankExpr:
     def symbol(at: int) -> RankExpr:
         return RankExpr((0, ((_RANK, 1),)), at)
 
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        """`int` to `isinstance`, so code that checks for an int takes the path an int takes (C code
+        checks the real type, and takes the value through `__index__`: guarded)."""
+        return int
+
     # --- symbolic arithmetic --------------------------------------------------------------
     def __add__(self, other: Any) -> Any:
         if not _number(other):
@@ -120,7 +126,7 @@ class RankExpr:
         return self * other if _number(other) or isinstance(other, float) else _foreign("__mul__", other, self)
 
     def __floordiv__(self, other: Any) -> Any:
-        if isinstance(other, bool) or not isinstance(other, int) or other <= 0:
+        if type(other) is not int or other <= 0:
             return self._concrete() // other
         const, terms = self.form
         if const % other == 0 and all(c % other == 0 for _, c in terms):
@@ -128,7 +134,7 @@ class RankExpr:
         return _made((0, ((("floordiv", self.form, other), 1),)), self.value // other)
 
     def __mod__(self, other: Any) -> Any:
-        if isinstance(other, bool) or not isinstance(other, int) or other <= 0:
+        if type(other) is not int or other <= 0:
             return self._concrete() % other
         const, terms = self.form
         if all(c % other == 0 for _, c in terms):
@@ -148,7 +154,7 @@ class RankExpr:
         if not _number(other):
             return _foreign(f"__{_MIRRORED[op]}__", other, self)
         difference = self - other
-        if isinstance(difference, int):
+        if not isinstance(difference, RankExpr):
             return _COMPARISONS[op](difference, 0)
         return _guard(difference.form, op, _COMPARISONS[op](difference.value, 0))
 
@@ -221,8 +227,8 @@ _MIRRORED = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "eq": "eq", "ne": "
 
 
 def _number(value: Any) -> bool:
-    """An int (bool included: python adds them as 0 and 1) or a RankExpr."""
-    return isinstance(value, (int, RankExpr))
+    """An int (bool included: python adds them as 0 and 1) or a RankExpr (an int to isinstance)."""
+    return isinstance(value, int)
 
 
 def _form(value: int | RankExpr) -> Form:

@@ -53,10 +53,10 @@ _fields: dict[type, tuple[str, ...]] = {}
 
 def value_key(value: Any, depth: int = 0) -> Hashable:
     """Equal keys for equal plain data; identity for everything else."""
+    if type(value) is RankExpr:  # a symbolic rank's offset (capture/symbolic_rank): by its form
+        return ("rank", value.form)
     if isinstance(value, PLAIN_DATA):
         return (type(value).__name__, value)
-    if isinstance(value, RankExpr):  # a symbolic rank's offset (capture/symbolic_rank): by its form
-        return ("rank", value.form)
     if depth >= MAX_DEPTH:
         return ("id", id(value))
     if isinstance(value, enum.Enum):

@@ -22,6 +22,7 @@ EXPRESSIONS: list[Callable[[Any], Any]] = [
     lambda r: 7 - r,
     lambda r: -(r // 3) * 2 + r % 5,
     lambda r: 100 // (r // 100 + 1),  # a RankExpr divisor: taken as a plain int
+    lambda r: r + 1 if isinstance(r, int) else 0,  # a type check takes the path an int takes
 ]
 
 
