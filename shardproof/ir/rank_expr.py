@@ -3,8 +3,9 @@
 A rank program is traced once with `rank` a `RankExpr` rather than an int. Arithmetic on it stays
 symbolic: a linear form over the rank and floor quotients and remainders of linear forms by
 constants (`rank * 4 + 1`, `rank // 2`), which is all a loader's offsets need. Every decision the
-program takes on it is recorded as a `Guard` that holds at the rank traced: a comparison, a use as a
-plain int (`range(rank)`, a list index, an f-string: the guard then pins the value), a hash lookup.
+program takes on it is recorded as a `Guard` that holds at the rank traced: a comparison (a dict
+lookup's too), a use as a plain int (`range(rank)`, a list index, an f-string: the guard then pins
+the value).
 Where the guards hold, the program does exactly what it did in the trace, with the symbolic
 values (a slice's offsets, a mask's bound) evaluated at that rank; elsewhere it is traced again.
 
