@@ -43,8 +43,12 @@ class CallShape:
 
 
 def argument_ops(graph: Graph, inputs: tuple[int, ...]) -> Ops | None:
-    """The ops computing `inputs` in `graph` (once per rank class), None if there are too many."""
-    return structural(graph, ("argument ops", inputs), lambda g: _ops(_symbolic_nodes(g), inputs))
+    """The ops computing `inputs` in `graph` (once per rank class: from its own nodes, offsets
+    symbolic), None if there are too many."""
+    structure = graph.structure
+    if isinstance(structure, RankClass):
+        return structural(graph, ("argument ops", inputs), lambda _: _ops(structure.graph.nodes, inputs))
+    return _ops(graph.nodes, inputs)
 
 
 def call_shape(rules: Rules, sides: Sequence[tuple[Ops | None, Sequence[int]]], extra: Hashable) -> CallShape | None:
@@ -62,11 +66,6 @@ def call_shape(rules: Rules, sides: Sequence[tuple[Ops | None, Sequence[int]]], 
     first: dict[int, int] = {}
     same = tuple(first.setdefault(t, len(first)) for t in atoms)
     return CallShape((extra, tuple(parts), same), atoms)
-
-
-def _symbolic_nodes(graph: Graph) -> Sequence[Node]:
-    """A rank class's own nodes (symbolic offsets, shared by its ranks); else the graph's."""
-    return graph.structure.graph.nodes if isinstance(graph.structure, RankClass) else graph.nodes
 
 
 def _ops(nodes: Sequence[Node], inputs: tuple[int, ...]) -> Ops | None:

@@ -27,7 +27,7 @@ from shardproof.ir.ops import OPS
 from shardproof.partition.boundary import Boundary, NotPartitioned, build_entries, read_boundary, transplant
 from shardproof.partition.call_shapes import Ops, argument_ops, call_shape
 from shardproof.partition.gradients import over_reference_gradients
-from shardproof.partition.structure import structural
+from shardproof.partition.structure import derived, structural
 from shardproof.partition.templates import Template, expand
 from shardproof.relations.diagnose import grounded
 from shardproof.relations.execute import CollectiveMismatch, Execution, resolve_collective, term_of
@@ -94,15 +94,18 @@ def aligned(reference: Graph, ranks: list[Graph], expand_call: int | None = None
         if all(site in common for site in graph_sites):
             kept.append(graph)
             continue
-        keep_ids = {o for outputs, site in zip(calls, graph_sites) if site in common for o in outputs}
-        kept.append(expand(graph, lambda node: node.id in keep_ids))
+        keep_ids = frozenset(o for outputs, site in zip(calls, graph_sites) if site in common for o in outputs)
+        expanded = expand(graph, lambda node: node.id in keep_ids)
+        if expanded is not graph:
+            expanded.structure = derived(graph.structure, ("kept", keep_ids))
+        kept.append(expanded)
     return kept[0], kept[1:]
 
 
 def through_call(graph: Graph, index: int) -> Graph:
     """The graph up to its `index`-th call, whose outputs become the graph's."""
     call = instances(graph)[index]
-    return Graph(graph.nodes[: call.outputs[-1] + 1], list(call.outputs), graph.rank)
+    return Graph(graph.nodes[: call.outputs[-1] + 1], list(call.outputs), graph.rank, derived(graph.structure, ("through", index)))
 
 
 def _sites(graph: Graph) -> list[tuple[str, int]]:

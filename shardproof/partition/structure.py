@@ -13,6 +13,18 @@ from shardproof.ir.graph import Graph
 
 T = TypeVar("T")
 _FACTS: WeakKeyDictionary[Any, dict[Hashable, Any]] = WeakKeyDictionary()
+_DERIVED: WeakKeyDictionary[Any, dict[Hashable, "Derived"]] = WeakKeyDictionary()
+
+
+class Derived:
+    """The structure of graphs made from graphs of one structure by one change (cut after a call,
+    some calls expanded): the graphs made alike from a rank class's still share their structure."""
+
+
+def derived(structure: Any, change: Hashable) -> Derived | None:
+    if structure is None:
+        return None
+    return _DERIVED.setdefault(structure, {}).setdefault(change, Derived())
 
 
 def structural(graph: Graph, fact: Hashable, compute: Callable[[Graph], T]) -> T:
