@@ -4,8 +4,9 @@ During one make_fx trace, the forward of every module that has a structural twin
 wrapped. The first call of each kind (see `fingerprint.call_key`) is traced as usual, between two
 marker ops that name its inputs and outputs. A later call with the same key is not traced at all:
 it records one `shardproof.call` op whose outputs have the first call's metadata. After the trace,
-the ops between the markers become the kind's `Template` graph, and each `shardproof.call` lowers to
-IR `call` nodes of that template. A 126-layer model is thus traced as one layer plus 125 ops.
+the ops between the markers become the kind's `Template` graph and are replaced by a call of it
+too, and each `shardproof.call` lowers to IR `call` nodes of that template. A 126-layer model is
+thus traced as one layer plus 125 ops, and proven as 126 calls (partition/execute).
 
 Checks that keep this sound: a first call that changes its module's state, writes into its inputs,
 returns tensors sharing memory with its inputs or mutable non-tensor values is never reused; one whose
