@@ -126,9 +126,13 @@ def _mismatch(first: int, node: Node, others: list[tuple[int, Node | None]]) -> 
 
 def _exchange(rules: Rules, ranks: list[Graph], terms: list[list[int]], cursors: list[int], group: tuple[int, ...]) -> None:
     inputs = [terms[r][ranks[r].nodes[cursors[r]].inputs[0]] for r in group]
+    combined: dict[tuple, int] = {}  # (op, attrs) -> the group's combined term: built once, not once per member
     for position, r in enumerate(group):
         local = ranks[r].nodes[cursors[r]]
-        terms[r].append(_collective(rules, local, inputs, position))
+        key = (local.op, local.attrs, local.shape)
+        if key not in combined:
+            combined[key] = _combined(rules, local, inputs)
+        terms[r].append(_share(rules, local, combined[key], position))
         cursors[r] += 1
 
 
@@ -137,20 +141,31 @@ def _group_of(node: Node) -> tuple[int, ...]:
     return () if node.op == "call" else tuple(node.attrs[-1])
 
 
-def _collective(rules: Rules, node: Node, inputs: list[int], position: int) -> int:
+_REDUCTIONS = ("max", "sum", "mean")  # others are kept as an opaque term over the group's inputs
+
+
+def _combined(rules: Rules, node: Node, inputs: list[int]) -> int:
+    """What the group's members' inputs combine to: their concatenation, or their reduction."""
     n = len(inputs)
     if node.op == "all_gather":
         return rules.cat(inputs, node.attrs[0])
-    reduce_op = node.attrs[0] if node.op == "all_reduce" else node.attrs[1]
+    reduce_op = _reduce_op(node)
     if reduce_op == "max":
-        total = rules.maximum(inputs)
-    elif reduce_op in ("sum", "mean"):
+        return rules.maximum(inputs)
+    if reduce_op in ("sum", "mean"):
         weight = Fraction(1, n) if reduce_op == "mean" else Fraction(1)
-        total = rules.lin([(t, weight) for t in inputs])
-    else:
-        return rules.literal(f"all_reduce_{reduce_op}", tuple(inputs), (), node.shape, node.dtype)
-    if node.op == "all_reduce":
-        return total
+        return rules.lin([(t, weight) for t in inputs])
+    return rules.literal(f"all_reduce_{reduce_op}", tuple(inputs), (), node.shape, node.dtype)
+
+
+def _reduce_op(node: Node) -> str:
+    return node.attrs[0] if node.op == "all_reduce" else node.attrs[1]
+
+
+def _share(rules: Rules, node: Node, combined: int, position: int) -> int:
+    """The member at `position`'s result: all of it, or its chunk of a reduce-scatter."""
+    if node.op != "reduce_scatter" or _reduce_op(node) not in _REDUCTIONS:
+        return combined
     dim = node.attrs[0]
     size = node.shape[dim]
-    return rules.slice(total, box_along(rules.shape(total), dim, position * size, (position + 1) * size))
+    return rules.slice(combined, box_along(rules.shape(combined), dim, position * size, (position + 1) * size))
