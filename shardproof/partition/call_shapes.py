@@ -29,7 +29,8 @@ MAX_SHAPE_NODES = 200  # arguments computed by more ops than this are read from 
 
 @dataclass(frozen=True)
 class Ops:
-    """The ops computing some nodes from atoms: entries children first, an atom as ("atom", i)."""
+    """The ops computing some nodes from atoms: entries children first, an atom as ("atom", i,
+    shape, dtype)."""
 
     entries: tuple[Hashable, ...]
     roots: tuple[int, ...]  # entry of each node asked for
@@ -81,7 +82,7 @@ def _ops(nodes: Sequence[Node], inputs: tuple[int, ...]) -> Ops | None:
             node = nodes[i]
             if node.op in ("leaf", "call") or OPS[node.op].kind == "collective":
                 index[i] = len(entries)
-                entries.append(("atom", len(atoms)))
+                entries.append(("atom", len(atoms), node.shape, node.dtype))
                 atoms.append(i)
             elif children_done:
                 index[i] = len(entries)
