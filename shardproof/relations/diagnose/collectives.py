@@ -8,6 +8,7 @@ from fractions import Fraction
 
 from shardproof.ir.graph import Node
 from shardproof.relations.diagnose.finding import Finding
+from shardproof.relations.diagnose.shards import own_chunk
 
 
 class CollectiveFaults:
@@ -92,6 +93,6 @@ class CollectiveFaults:
                 if ancestor.op != "slice" or graph[ancestor.inputs[0]].op != "leaf":
                     continue
                 _, lo, hi = ancestor.attrs
-                if any((l, h) == (lo, hi) for l, h, _ in ranges) and lo != rank * (hi - lo):
+                if any((l, h) == (lo, hi) for l, h, _ in ranges) and not own_chunk(ancestor, rank):
                     return rank, ancestor
         return None

@@ -9,6 +9,7 @@ from __future__ import annotations
 from shardproof.ir.graph import Graph, Node
 from shardproof.relations.diagnose.agreement import LAYOUT_OPS
 from shardproof.relations.diagnose.finding import Finding
+from shardproof.relations.diagnose.shards import own_chunk
 
 Span = tuple[int, int]
 OPERANDS = ("first", "second")
@@ -58,7 +59,7 @@ class OverlappingShards:
         while node.op in LAYOUT_OPS and node.op != "slice":
             node = graph[node.inputs[0]]
         if node.op == "slice":
-            return node if _unnatural(node, rank) else None
+            return None if own_chunk(node, rank) else node
         return self._loader_slice(rank, operand, unnatural=True)
 
     def _contraction(self, t: int) -> tuple[tuple[int, int], tuple[Span, Span], int] | None:
@@ -113,12 +114,6 @@ def _faults(spans: list[Span], size: int) -> str:
         gaps.append((reached, size))
     said = [what + ", ".join(f"[{lo}:{hi})" for lo, hi in found) for what, found in (("overlap at ", overlaps), ("leave out ", gaps)) if found]
     return " and ".join(said)
-
-
-def _unnatural(slice_node: Node, rank: int) -> bool:
-    """The slice does not take chunk `rank` of its dim."""
-    _, lo, hi = slice_node.attrs
-    return lo != rank * (hi - lo)
 
 
 def _cutting(graph: Graph, slice_node: Node, rank: int) -> str:

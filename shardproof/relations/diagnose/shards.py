@@ -107,11 +107,15 @@ class RankChunks:
                 state_only[ancestor.id] = bool(ancestor.inputs) and all(state_only.get(i, False) for i in ancestor.inputs)
             if state_only[ancestor.id] and ancestor.op == "cat" and not unnatural:
                 return ancestor
-            if state_only[ancestor.id] and ancestor.op == "slice":
-                dim, lo, hi = ancestor.attrs
-                if not unnatural or lo != rank * (hi - lo):
-                    return ancestor
+            if state_only[ancestor.id] and ancestor.op == "slice" and not (unnatural and own_chunk(ancestor, rank)):
+                return ancestor
         return None
+
+
+def own_chunk(slice_node: Node, rank: int) -> bool:
+    """The slice takes chunk `rank` of its dim (chunks of its own width)."""
+    _, lo, hi = slice_node.attrs
+    return lo == rank * (hi - lo)
 
 
 def _is_rank_chunk(rank: int, part: tuple[int, int], whole: tuple[int, int]) -> bool:
