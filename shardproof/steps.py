@@ -70,7 +70,8 @@ class Program:
         self.case = case
 
     def reference(self, model: torch.nn.Module, state: dict, inputs: tuple) -> Tensors:
-        return flat_tensors(functional_call(model, state, inputs))
+        with torch.no_grad():  # no gradient is claimed: code that acts on grad mode takes its inference path
+            return flat_tensors(functional_call(model, state, inputs))
 
     def rank(self, model: torch.nn.Module, ref_state: dict, inputs: tuple, rank: int, world_size: int,
              bound: Tensors) -> tuple[Tensors, Trained]:
@@ -84,7 +85,8 @@ class Program:
     def run_loaded(self, model: torch.nn.Module, loaded: Tensors) -> Tensors:
         held = list(module_state(model))
         state = as_model_holds(dict(zip(held, loaded)), model)
-        return flat_tensors(functional_call(model, state, tuple(loaded[len(held) :])))
+        with torch.no_grad():
+            return flat_tensors(functional_call(model, state, tuple(loaded[len(held) :])))
 
     def checks(self, reference_outputs: int, rank_outputs: int, trained: Trained) -> list[Check]:
         if rank_outputs != reference_outputs:
