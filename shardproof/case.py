@@ -17,8 +17,8 @@ from typing import Any, Callable
 import torch
 
 from shardproof.errors import CaseError
+from shardproof.programs import Output
 
-Output = tuple[str, ...] | tuple[str, int]
 MODES = ("forward", "train", "step")  # what is proven: outputs; loss and gradients; also the updated parameters
 
 

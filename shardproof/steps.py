@@ -29,25 +29,12 @@ from torch.distributed.tensor import DTensor
 from torch.func import functional_call
 from torch.nn.utils.stateless import _reparametrize_module
 
-from shardproof.case import Case, Output
+from shardproof.case import Case
 from shardproof.errors import CaseError
+from shardproof.programs import Check
 from shardproof.state import as_model_holds, local_shards, module_state, rank_inputs, rank_state
 
 Tensors = list[torch.Tensor]
-
-
-@dataclass(frozen=True)
-class Check:
-    """One claim, proven on every rank: a rank output equals an expected value.
-
-    `relation` is the case's Output layout (expected = reference output `expected`), "loss"
-    (reference output `expected`, replicated or as a mean over ranks) or "rank" (expected = this
-    rank's own output `expected`, which the rank computed from bound reference outputs)."""
-
-    label: str
-    actual: int
-    expected: int
-    relation: Output | str
 
 
 @dataclass(frozen=True)

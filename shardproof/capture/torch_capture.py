@@ -34,19 +34,12 @@ from shardproof.ir.graph import BOUND_LEAF_PREFIX, Graph
 from shardproof.ir.rank_expr import RankExpr
 from shardproof.partition.module_calls import trace_with_memo
 from shardproof.partition.rank_classes import RankClass
+from shardproof.programs import Captured, Check
 from shardproof.report.progress import count
 from shardproof.state import module_state
-from shardproof.steps import Check, Program, Trained, agreed, program_for
+from shardproof.steps import Program, Trained, agreed, program_for
 
 aten = torch.ops.aten
-
-
-@dataclass
-class Captured:
-    reference: Graph
-    ranks: list[Graph]
-    checks: list[Check]
-    seconds: float
 
 
 RankTracer = Callable[[list[int]], Iterator[Graph]]
