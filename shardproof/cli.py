@@ -1,5 +1,6 @@
 """Command line: `shardproof verify CASE.py [--world-size N] [--json PATH] [--preset NAME] [--train [--step]]`
-and `shardproof verify-graphs --reference R --distributed D [--format hlo|fx] [--relations FILE] [--json PATH]`."""
+(or `verify --hf CONFIG.json [--tp-plan PLAN.json]` instead of a case file) and
+`shardproof verify-graphs --reference R --distributed D [--format hlo|fx] [--relations FILE] [--json PATH]`."""
 
 from __future__ import annotations
 
@@ -7,15 +8,22 @@ import argparse
 import json
 import sys
 import warnings
+from typing import TYPE_CHECKING
 
-from shardproof.errors import ShardproofError
+from shardproof.errors import CaseError, ShardproofError
+
+if TYPE_CHECKING:
+    from shardproof.case import Case
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shardproof", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     verify_cmd = commands.add_parser("verify", help="prove a case file's distributed model equals its reference")
-    verify_cmd.add_argument("case", help="path of the case file")
+    verify_cmd.add_argument("case", nargs="?", help="path of the case file")
+    verify_cmd.add_argument("--hf", metavar="CONFIG",
+                            help="instead of a case file: a transformers config.json, parallelised by transformers' own TP")
+    verify_cmd.add_argument("--tp-plan", metavar="PLAN", help="with --hf: a JSON file of TP plan entries overriding the model's")
     verify_cmd.add_argument("--world-size", type=int, default=None, help="number of ranks (default: the case's WORLD_SIZE)")
     verify_cmd.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
     verify_cmd.add_argument("--preset", help="use the case file's PRESETS[NAME] as its CONFIG")
@@ -41,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     graphs_cmd.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
     graphs_cmd.add_argument("--quiet", action="store_true", help="no progress display")
     args = parser.parse_args(argv)
+    if args.command == "verify" and (args.case is None) == (args.hf is None):
+        parser.error("verify needs a case file or --hf CONFIG (one of them)")
+    if args.command == "verify" and args.tp_plan and not args.hf:
+        parser.error("--tp-plan goes with --hf")
 
     warnings.filterwarnings("ignore")
     from shardproof.api import verify  # torch import is slow: after argument errors are reported
@@ -55,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             report = verify_graphs(args.reference, args.distributed, format=args.format, relations=args.relations, progress=quiet)
         else:
             report = verify(
-                args.case,
+                args.case if args.hf is None else _transformers_case(args),
                 world_size=args.world_size,
                 preset=args.preset,
                 train=args.train,
@@ -74,6 +86,16 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as handle:
             json.dump(report.to_json(), handle, indent=2)
     return report.exit_code
+
+
+def _transformers_case(args: argparse.Namespace) -> Case:
+    """The case of a transformers config file (`--hf`), TP applied by transformers' own code."""
+    try:
+        from shardproof.integrations.transformers import load_tp_plan, transformers_case
+    except ImportError as err:
+        raise CaseError(str(err)) from err
+    plan = load_tp_plan(args.tp_plan) if args.tp_plan else None
+    return transformers_case(args.hf, tp_plan=plan, world_size=args.world_size or 2, train=args.train)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import math
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
@@ -33,16 +33,39 @@ from torch.testing._internal.distributed.multi_threaded_pg import (
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shardproof.case import Case
+from shardproof.case import Case, Output
 from shardproof.errors import CaseError
-from shardproof.programs import Check, NumericResult, Output
 from shardproof.state import module_state
-from shardproof.steps import Trained, agreed, program_for
+from shardproof.steps import Check, Trained, agreed, program_for
 
 # The threaded process group swaps torch's global c10d world: one oracle run at a time.
 _LOCK = threading.Lock()
 # A rank still running this long after the first rank finished waits for a collective its peers never issue.
 _HANG_GRACE_S = 1.0
+
+
+@dataclass
+class NumericResult:
+    """The verdict of one numeric run; `detail` names the worst rank so a failure can be found.
+
+    `differing` says, claim by claim (steps.Check labels), which claims the numbers refute: a
+    finding about one claim is confirmed by that claim's numbers, not by another's. A run that
+    could not be compared claim by claim (a hang, ranks claiming different parameters) leaves it
+    empty while disagreeing: it refutes the programs as a whole."""
+
+    agree: bool
+    max_abs_error: float
+    max_rel_error: float  # relative to max |reference|
+    detail: str  # human-readable, e.g. "rank 1 differs by 3.2e-1"
+    differing: dict[str, str] = field(default_factory=dict)  # claim label -> where it differs most
+
+    def differs(self, claim: str | None) -> str | None:
+        """Where the numbers refute `claim` (None: the programs as a whole), or None if they do not."""
+        if self.agree:
+            return None
+        if claim is None or not self.differing:
+            return self.detail
+        return self.differing.get(claim)
 
 
 @dataclass
@@ -101,7 +124,29 @@ class _RealFloats(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         args = tuple(_real(a) for a in args)
         kwargs = {k: _real(v) for k, v in (kwargs or {}).items()}
-        return func(*args, **kwargs)
+        return _IN_FLOAT64.get(func, func)(*args, **kwargs)
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`aten._grouped_mm` (CPU kernels: float32 and below) as matmuls: group i of a 2-D operand is
+    the slice between offsets i-1 and i of the dim the other operand does not batch."""
+    if offs is None:
+        out = torch.matmul(a, b)
+    else:
+        ends = offs.tolist()
+        groups = [slice(start, end) for start, end in zip([0, *ends[:-1]], ends)]
+        if a.dim() == 2 and b.dim() == 3:  # row groups of a, each times its matrix
+            out = torch.cat([a[g] @ b[i] for i, g in enumerate(groups)])
+        elif a.dim() == 3 and b.dim() == 2:  # column groups of b
+            out = torch.cat([a[i] @ b[:, g] for i, g in enumerate(groups)], dim=1)
+        else:  # both 2-D: groups of the contracted dim, one product each
+            out = torch.stack([a[:, g] @ b[g] for g in groups])
+    return out if bias is None else out + bias
+
+
+# Ops torch computes only in lower precision, and their float64 implementation.
+_IN_FLOAT64 = {torch.ops.aten._grouped_mm.default: _grouped_mm}
 
 
 def _real(value: Any) -> Any:

@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from shardproof.case import Case
 from shardproof.errors import CaseError
-from shardproof.layouts import plain_layout, take
+from shardproof.importers.layouts import plain_layout, take
 
 
 def module_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -48,7 +48,8 @@ def local_shards(
 def as_model_holds(local: dict[str, torch.Tensor], dist_model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Plain shards wrapped as DTensors where the model holds DTensors."""
     wanted = module_state(dist_model)
-    return {name: _as_model_holds(tensor, wanted[name]) for name, tensor in local.items()}
+    wrapped: dict[int, torch.Tensor] = {}  # tied tensors (an embedding and its head) stay one tensor
+    return {name: wrapped.setdefault(id(tensor), _as_model_holds(tensor, wanted[name])) for name, tensor in local.items()}
 
 
 def rank_inputs(case: Case, ref_inputs: tuple, rank: int, world_size: int) -> tuple:
@@ -61,7 +62,7 @@ def _infer_shard(
     name: str, held: torch.Tensor, ref_state: dict[str, torch.Tensor], rank: int, world_size: int
 ) -> torch.Tensor:
     """Default loader: same name in the reference; the layout from DTensor placements, or from the
-    shapes by the rule the graph importers start from (`layouts.plain_layout`)."""
+    shapes by the rule the graph importers start from (`importers/layouts.plain_layout`)."""
     if name not in ref_state:
         raise CaseError(
             f"cannot infer how `{name}` is built from the reference state: no reference tensor has that "

@@ -29,12 +29,25 @@ from torch.distributed.tensor import DTensor
 from torch.func import functional_call
 from torch.nn.utils.stateless import _reparametrize_module
 
-from shardproof.case import Case
+from shardproof.case import Case, Output
 from shardproof.errors import CaseError
-from shardproof.programs import Check
 from shardproof.state import as_model_holds, local_shards, module_state, rank_inputs, rank_state
 
 Tensors = list[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Check:
+    """One claim, proven on every rank: a rank output equals an expected value.
+
+    `relation` is the case's Output layout (expected = reference output `expected`), "loss"
+    (reference output `expected`, replicated or as a mean over ranks) or "rank" (expected = this
+    rank's own output `expected`, which the rank computed from bound reference outputs)."""
+
+    label: str
+    actual: int
+    expected: int
+    relation: Output | str
 
 
 @dataclass(frozen=True)
@@ -57,8 +70,7 @@ class Program:
         self.case = case
 
     def reference(self, model: torch.nn.Module, state: dict, inputs: tuple) -> Tensors:
-        with torch.no_grad():  # no gradient is claimed: code that acts on grad mode takes its inference path
-            return flat_tensors(functional_call(model, state, inputs))
+        return flat_tensors(functional_call(model, state, inputs))
 
     def rank(self, model: torch.nn.Module, ref_state: dict, inputs: tuple, rank: int, world_size: int,
              bound: Tensors) -> tuple[Tensors, Trained]:
@@ -72,8 +84,7 @@ class Program:
     def run_loaded(self, model: torch.nn.Module, loaded: Tensors) -> Tensors:
         held = list(module_state(model))
         state = as_model_holds(dict(zip(held, loaded)), model)
-        with torch.no_grad():
-            return flat_tensors(functional_call(model, state, tuple(loaded[len(held) :])))
+        return flat_tensors(functional_call(model, state, tuple(loaded[len(held) :])))
 
     def checks(self, reference_outputs: int, rank_outputs: int, trained: Trained) -> list[Check]:
         if rank_outputs != reference_outputs:
@@ -99,7 +110,7 @@ class TrainingProgram(Program):
 
     def reference(self, model: torch.nn.Module, state: dict, inputs: tuple) -> Tensors:
         params = _trainable(state, self.names)
-        loss = self.case.loss(functional_call(model, {**state, **params}, inputs), *inputs)
+        loss = self.case.loss(functional_call(model, replaced(state, params), inputs), *inputs)
         grads = _gradients(loss, params)
         if not self.step:
             return [loss, *grads]
@@ -113,14 +124,14 @@ class TrainingProgram(Program):
         names = trainable_names(model)
         params = _trainable(local, names, dict(model.named_parameters()))
         if self.case.distributed_step is not None:
-            with _reparametrize_module(model, {**local, **params}):
+            with _reparametrize_module(model, replaced(local, params)):
                 loss = self.case.distributed_step(model, local_inputs, rank, world_size)
             if not isinstance(loss, torch.Tensor):
                 raise CaseError("distributed_step(model, inputs, rank, world_size) must return the loss tensor")
             freed = {n for n, p in params.items() if p.grad is None} if self.step else set()
             grads = [_grad_of(p) for p in params.values()]
         else:
-            loss = self.case.loss(functional_call(model, {**local, **params}, local_inputs), *local_inputs)
+            loss = self.case.loss(functional_call(model, replaced(local, params), local_inputs), *local_inputs)
             freed, grads = set(), _gradients(loss, params)
             if self.step:
                 _optimizer_step(self._optimizer, params, grads)
@@ -152,7 +163,7 @@ class TrainingProgram(Program):
     def _expected(self, values: Tensors, ref_state: dict, model: torch.nn.Module, rank: int, world_size: int,
                   names: list[str]) -> Tensors:
         """The rank's loader applied to reference values in place of the reference parameters."""
-        substituted = {**ref_state, **dict(zip(self.names, values))}
+        substituted = replaced(ref_state, dict(zip(self.names, values)))
         local = rank_state(self.case, substituted, model, rank, world_size)
         return [local[name] for name in names]
 
@@ -192,6 +203,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def replaced(state: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` with `new`'s tensors in place of the named ones and of every other name of the same
+    tensor: a tied weight (an embedding and its head) is one parameter under two names."""
+    by_tensor = {id(state[name]): tensor for name, tensor in new.items() if name in state}
+    return {**{name: by_tensor.get(id(tensor), tensor) for name, tensor in state.items()}, **new}
+
+
 def _trainable(state: dict, names: list[str], originals: dict | None = None) -> dict[str, torch.Tensor]:
     """Fresh leaf copies that require grad, so the step never writes into the caller's tensors.
     They keep what user code attached to the model's own parameters: Python attributes (e.g.
@@ -212,12 +230,20 @@ def _trainable(state: dict, names: list[str], originals: dict | None = None) -> 
 
 def _gradients(loss: torch.Tensor, params: dict[str, torch.Tensor]) -> Tensors:
     grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
-    return [torch.zeros_like(p) if g is None else g for p, g in zip(params.values(), grads)]
+    return [torch.zeros_like(p) if g is None else _laid_out_as(g, p) for p, g in zip(params.values(), grads)]
 
 
 def _grad_of(param: torch.Tensor) -> torch.Tensor:
     """A parameter the step never reached has gradient zero (as after optimizer.zero_grad(set_to_none))."""
-    return torch.zeros_like(param) if param.grad is None else param.grad
+    return torch.zeros_like(param) if param.grad is None else _laid_out_as(param.grad, param)
+
+
+def _laid_out_as(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A DTensor gradient in its parameter's placements: DTensor's backward may leave it in others
+    (an embedding's is replicated), which an optimizer step redistributes to the parameter's."""
+    if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
+        return grad.redistribute(param.device_mesh, param.placements)
+    return grad
 
 
 def _optimizer_step(make: Callable[[Tensors], torch.optim.Optimizer], params: dict, grads: Tensors) -> None:

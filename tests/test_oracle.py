@@ -190,3 +190,18 @@ def test_loss_parallel_runs_on_every_rank_thread(world_size: int) -> None:
                 loss=_cross_entropy, distributed_step=_loss_parallel_step, mode="train")
     result = run_numeric(case, world_size)
     assert result.agree, result.detail
+
+
+@pytest.mark.parametrize("a_shape, b_shape, ends", [
+    ((8, 4), (3, 4, 8), [2, 2, 8]),  # row groups of a 2-D a, one matrix of b each (an MoE's experts)
+    ((3, 8, 4), (4, 8), [4, 4, 8]),  # column groups of a 2-D b
+    ((4, 8), (8, 4), [4, 8]),  # groups of the contracted dim, one product each
+])
+def test_grouped_mm_runs_in_float64_as_torch_runs_it_in_float32(a_shape: tuple, b_shape: tuple, ends: list) -> None:
+    """torch's CPU `_grouped_mm` takes float32 at most; the oracle's float64 one agrees with it on
+    every layout, uneven and empty groups included."""
+    from shardproof.oracle import _grouped_mm
+
+    a, b, offs = torch.randn(a_shape), torch.randn(b_shape), torch.tensor(ends, dtype=torch.int32)
+    expected = torch._grouped_mm(a, b, offs=offs)
+    assert torch.allclose(_grouped_mm(a.double(), b.double(), offs).float(), expected, atol=1e-5)

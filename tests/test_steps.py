@@ -227,19 +227,49 @@ def test_ranks_claiming_other_parameters_cannot_be_compared() -> None:
     assert not numbers.agree and "rank 1 claims other gradients" in numbers.detail
 
 
-class InferenceOnly(Mlp):
-    """A kernel that refuses to record gradients (FlexAttention on CPU does) and a hook that can only
-    be registered where they are recorded (transformers' ReplicatedWithGradAllReduce)."""
+# --- tied weights and DTensor gradients ---------------------------------------------------------
+class Tied(nn.Module):
+    """Two layers sharing one weight (as an embedding and its head with `tie_word_embeddings`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(HIDDEN, HIDDEN, bias=False), nn.Linear(HIDDEN, HIDDEN, bias=False)
+        self.second.weight = self.first.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = super().forward(x)
-        if y.requires_grad:
-            raise NotImplementedError("this kernel does not support backward")
-        return y
+        return self.second(torch.tanh(self.first(x)))
 
 
-def test_a_forward_program_records_no_gradients() -> None:
-    """Forward mode claims no gradient, so both sides run as inference does, under no_grad."""
-    case = Case(InferenceOnly, lambda rank, world_size: InferenceOnly(), lambda: (torch.randn(3, HIDDEN),))
-    assert verify(case, world_size=2).verdict == "equivalent"
-    assert run_numeric(case, 2).agree
+def test_a_tied_weight_is_one_parameter_under_both_names(checked_step) -> None:
+    """The step's fresh parameter replaces the weight under its two names, so both uses reach one gradient."""
+    report = checked_step(Case(Tied, lambda rank, n: Tied(), _inputs, loss=_loss), 2, "train")
+    assert report.verdict == "equivalent", report.diagnosis
+
+
+def _logits_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), ids.flatten())
+
+
+def _vocab_parallel_embedding(rank: int, world_size: int) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {"embed": RowwiseParallel(input_layouts=Replicate()), "head": ColwiseParallel(output_layouts=Replicate())}
+    model = nn.Sequential()
+    model.embed, model.head = nn.Embedding(8, HIDDEN), nn.Linear(HIDDEN, 8, bias=False)
+    return parallelize_module(model, init_device_mesh("cpu", (world_size,)), plan)
+
+
+def test_a_dtensor_gradient_is_claimed_in_its_parameters_placements() -> None:
+    """DTensor's embedding backward leaves a Shard(0) table's gradient replicated; the rank holds, as
+    an optimizer step on the table would read it, its Shard(0) piece."""
+
+    def reference() -> nn.Module:
+        model = nn.Sequential()
+        model.embed, model.head = nn.Embedding(8, HIDDEN), nn.Linear(HIDDEN, 8, bias=False)
+        return model
+
+    case = Case(reference, _vocab_parallel_embedding, lambda: (torch.arange(6).reshape(2, 3),), loss=_logits_loss)
+    numbers = run_numeric(case, 2, mode="train")
+    assert numbers.agree, numbers.detail

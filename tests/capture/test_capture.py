@@ -60,7 +60,9 @@ def _token_ids() -> tuple:
 
 
 def _case(reference: Callable, distributed: Callable, inputs: Callable) -> Case:
-    return Case(reference, distributed, inputs, source=Path(THIS_FILE))
+    """A case defined in this file, so source locations are kept for its frames."""
+    functions = [reference, distributed, inputs, TinyLM.forward, *_MODEL_FUNCTIONS]
+    return Case(reference, distributed, inputs, source=Path(THIS_FILE), source_functions=functions)
 
 
 # --- running the IR ---------------------------------------------------------------------------
@@ -327,6 +329,11 @@ def _reduce_scatter_into_narrow_buffer(w: torch.Tensor, x: torch.Tensor) -> torc
     out = torch.empty(4, 6 // dist.get_world_size(), dtype=y.dtype)
     dist.reduce_scatter_tensor(out, y)
     return out
+
+
+_MODEL_FUNCTIONS = [Elementwise.forward, LabelLookups.forward, OneHotWrites.forward, _in_place_chain, _copy_into_zeros,
+                    _write_view_read_base, _write_base_read_view, _all_reduce_view_read_base, _padded, _erf_mse, _stacked,
+                    _averaged_shard, _gather_into_wide_buffer, _reduce_scatter_into_narrow_buffer]
 
 
 def _elementwise_case(reference: Callable, distributed: Callable | None = None) -> Case:
