@@ -84,16 +84,9 @@ class DumpLowerer(Lowerer):
         b.at(self.current.name, self.locate(self.current))
         return b
 
-    def call(self, node: fx.Node) -> Value:
+    def lowerings(self, key: str) -> list[Callable[..., Value]]:
         """The core lowering first (the rules are written for its forms), then this module's."""
-        key = from_fx._aten_key(node.target)
-        lower = KERNELS.get(key) or KERNELS.get(key.removesuffix("_"))
-        try:
-            return super().call(node)
-        except UnsupportedOp:
-            if lower is None:
-                raise
-        return lower(self, *node.args, **node.kwargs)
+        return super().lowerings(key) + ([KERNELS[key]] if key in KERNELS else [])
 
     def get_attr(self, node: fx.Node) -> int:
         """A tensor constant the dump names but does not show: its source line's literal if it
@@ -175,7 +168,7 @@ def _index(lo: DumpLowerer, x, indices) -> int:
     b, value = lo.builder(), lo.tensor(x)
     shape = lo.shape(value)
     if len(indices) != 1 or indices[0] is None:
-        raise UnsupportedOp("aten.index other than x[ids] or x[arange(n), ids]", from_fx._at(lo.locate(lo.current)))
+        raise from_fx.Declined
     ids = lo.tensor(indices[0])
     table = b.view(value, (shape[0], math.prod(shape[1:])))
     rows = b.add("embedding", (table, ids), (), lo.shape(ids) + lo.shape(table)[1:], lo.dtype(value))
@@ -210,7 +203,7 @@ def _baddbmm(lo: DumpLowerer, bias, x, y, beta=1, alpha=1) -> int:
 def _gelu_backward(lo: DumpLowerer, grad, x, approximate="none") -> int:
     """grad * (Phi(x) + x * phi(x)) for the exact (erf) GELU."""
     if approximate != "none":
-        raise UnsupportedOp(f"gelu_backward with approximate={approximate}", from_fx._at(lo.locate(lo.current)))
+        raise from_fx.Declined
     b, value = lo.builder(), lo.tensor(x)
     dtype = lo.dtype(value)
     cdf = b.binary("mul", b.binary("add", b.unary("erf", b.binary("mul", value, b.scalar(1 / math.sqrt(2), dtype))), b.scalar(1.0, dtype)), b.scalar(0.5, dtype))
@@ -234,7 +227,7 @@ def _embedding_backward(lo: DumpLowerer, grad, ids, num_weights, padding_idx=-1,
     the one-hot instead, onehot^T @ where(m, 0, g) = where(m, 0, onehot)^T @ g: then a rank's
     one-hot is its vocabulary's slice of the reference's."""
     if scale_grad_by_freq or padding_idx not in (-1, None):
-        raise UnsupportedOp("embedding_dense_backward with padding_idx or scale_grad_by_freq", from_fx._at(lo.locate(lo.current)))
+        raise from_fx.Declined
     b, g, index = lo.builder(), lo.tensor(grad), lo.tensor(ids)
     count, width, dtype = math.prod(lo.shape(index)), lo.shape(g)[-1], lo.dtype(g)
     weights = b.full(1.0, (count, 1), dtype)

@@ -1,8 +1,11 @@
 """Lower an aten FX graph (from make_fx) into the shardproof IR.
 
-Aten has hundreds of ops; most are spellings of a few meanings (t/transpose/permute are all
+Aten has hundreds of ops; many are spellings of a few meanings (t/transpose/permute are all
 `permute`, view/reshape/squeeze/unsqueeze/flatten are all `view`, ...). The table `_LOWER` maps
-each aten op to a small function that emits IR; an aten op missing from it raises UnsupportedOp.
+those onto the IR ops whose distribution laws are written by hand. Every other op, and every call
+a hand lowering declines (`Declined`: a strided slice, a tensor exponent), is broken into smaller
+ops by torch's own decompositions where torch has one (`ir/decompose.py`), else kept whole as an
+open op under its own name (`ir/aten_ops.py`): nothing a program can run is refused.
 
 The graph is not functionalized (functionalize rejects DTensor's autograd.Functions). make_fx
 already routes every later read of a mutated tensor through the mutating node, so an in-place op
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import math
 import operator
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -22,8 +26,10 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from shardproof.errors import UnsupportedOp
+from shardproof.ir import aten_ops
+from shardproof.ir.decompose import decomposed_graph, decomposition_of
 from shardproof.ir.graph import Graph, Location
-from shardproof.ir.rank_expr import RankExpr
+from shardproof.ir.rank_expr import RankExpr, mentions_rank
 
 Value = Any  # an IR node id, or a (nested) tuple of them for multi-output ops
 LocationOf = Callable[[fx.Node], Location | None]
@@ -54,6 +60,8 @@ class Lowerer:
         self._sharing = _nodes_by_storage(gm.graph)
         self._live = _live_nodes(gm.graph)
         self._silent: dict[tuple[str, int], tuple[Location, int]] = {}  # backward lines whose ops emitted nothing
+        self.site: fx.Node | None = None  # the node whose decomposition is being lowered: its line is every piece's
+        self._decomposing: list[Any] = []  # targets being decomposed (a decomposition may call its own op)
 
     # --- emitting -------------------------------------------------------------------------
     def emit(self, op: str, inputs: tuple[int, ...], attrs: tuple = (), shape=None, dtype=None) -> int:
@@ -63,8 +71,14 @@ class Lowerer:
             shape = tuple(val.shape) if isinstance(val, torch.Tensor) else ()
         if dtype is None:
             dtype = str(val.dtype).removeprefix("torch.") if isinstance(val, torch.Tensor) else "float32"
-        name = node.name if node is not None else op
-        return self.graph.add(op, inputs, attrs, shape, dtype, name, self.locate(node) if node is not None else None)
+        site = self.site or node
+        name = site.name if site is not None else op
+        return self.graph.add(op, inputs, attrs, shape, dtype, name, self.location(node))
+
+    def location(self, node: fx.Node | None) -> Location | None:
+        """Where the user wrote `node`: inside a decomposition, where they wrote the op decomposed."""
+        site = self.site or node
+        return self.locate(site) if site is not None else None
 
     def group_ranks(self, group: Any) -> tuple[int, ...]:
         return self._group_ranks(self.env[group] if isinstance(group, fx.Node) else group)
@@ -117,7 +131,10 @@ class Lowerer:
         return self.graph
 
     def get_attr(self, node: fx.Node) -> Value:
-        obj = getattr(self.gm, node.target)
+        return self.get_attr_of(self.gm, node)
+
+    def get_attr_of(self, module: Any, node: fx.Node) -> Value:
+        obj = getattr(module, node.target)
         if isinstance(obj, torch.Tensor):
             return self.constant_tensor(obj)
         return obj  # process groups, reduce ops: consumed by collective lowerings
@@ -145,22 +162,118 @@ class Lowerer:
             return self.env[container][index]
         key = _aten_key(node.target)
         written = _written(node)
-        lower = _LOWER.get(key) or (_LOWER.get(key.removesuffix("_")) if written else None)
-        if lower is None:
-            raise UnsupportedOp(key, _at(self.locate(node)))
+        lowerings = self.lowerings(key) or (self.lowerings(key.removesuffix("_")) if written else [])
         reshapes = self.aliases_read_later(node, key, written) if written and not _only_metadata(node) else []
         kwargs = {k: v for k, v in node.kwargs.items() if v not in written}  # out= holds a result, not an operand
         before = len(self.graph.nodes)
-        result = lower(self, *node.args, **kwargs)
+        result = next((r for r in (self.lowered(node, lower, kwargs) for lower in lowerings) if r is not _DECLINED), _DECLINED)
+        if result is _DECLINED:
+            result = self.open_op(node, key, kwargs)
         if reshapes and not isinstance(result, int):
-            raise UnsupportedOp(f"in-place {key} on aliased memory", _at(self.locate(node)))
+            raise UnsupportedOp(f"in-place {key} on aliased memory", _at(self.location(node)))
         for alias in reshapes:  # later reads of a whole reshape of the written tensor see the write
             self.env[alias] = _as_buffer(self, result, tuple(alias.meta["val"].shape))
         if len(self.graph.nodes) == before and isinstance(result, int):
-            here = self.locate(node)
+            here = self.location(node)
             if here is not None and here.backward:
                 self._silent.setdefault((here.file, here.line), (here, result))
         return result
+
+    def lowerings(self, key: str) -> list[Callable[..., Value]]:
+        """The hand lowerings of an op, by its `namespace.name` key, tried in order until one does
+        not decline (front ends add their own after these)."""
+        return [_LOWER[key]] if key in _LOWER else []
+
+    def lowered(self, node: fx.Node, lower: Callable[..., Value], kwargs: dict[str, Any]) -> Value:
+        """The hand lowering's IR, or _DECLINED where it declines these arguments (the nodes it
+        emitted before declining are dropped)."""
+        before = len(self.graph.nodes)
+        try:
+            return lower(self, *node.args, **kwargs)
+        except Declined:
+            del self.graph.nodes[before:]
+            self._scalars = {k: v for k, v in self._scalars.items() if v < before}
+            return _DECLINED
+
+    # --- open ops: what no hand lowering covers --------------------------------------------------
+    def open_op(self, node: fx.Node, key: str, kwargs: dict[str, Any]) -> Value:
+        """An op without a hand lowering: broken into smaller ops where torch's decomposition
+        tables can (recursively, each piece lowered like any op), else kept as itself, an open op
+        (`ir/aten_ops.py`)."""
+        if not isinstance(node.target, torch._ops.OpOverload):
+            raise UnsupportedOp(key, _at(self.location(node)))
+        target = _functional(node.target)
+        if target is None:
+            raise UnsupportedOp(key, _at(self.location(node)) + " (an in-place op with no out-of-place form)")
+        decomposition = decomposition_of(target)
+        if decomposition is not None and target not in self._decomposing and not mentions_rank((node.args, kwargs)):
+            traced = decomposed_graph(target, decomposition, node, kwargs)
+            if traced is not None:
+                return self.inlined(node, target, *traced)
+        return self.aten_call(node, target, kwargs)
+
+    def aten_call(self, node: fx.Node, target: Any, kwargs: dict[str, Any]) -> Value:
+        """One IR node per tensor output: op `aten.<name>.<overload>`, attrs the argument template
+        and the output's path. A pointwise op's operands are broadcast first, as ours are."""
+        operands: list[int] = []
+        pointwise = torch.Tag.pointwise in target.tags
+        out = node.meta.get("val")
+        out_shape = tuple(out.shape) if pointwise and isinstance(out, torch.Tensor) else None
+
+        def operand(value: Any) -> int | None:
+            if not isinstance(value, _TensorValue):
+                return None
+            tensor = broadcast_to(self, value.id, out_shape) if out_shape is not None else value.id
+            operands.append(tensor)
+            return len(operands) - 1
+
+        args = aten_ops.template(self.values(node.args), operand)
+        named = tuple(sorted((k, aten_ops.template(self.values(v), operand)) for k, v in kwargs.items()))
+        name = aten_ops.name_of(target)
+        return self.outputs(out, lambda path, val: self.emit(
+            name, tuple(operands), (args, named, path), tuple(val.shape), _dtype_name(val.dtype)))
+
+    def values(self, arg: Any) -> Any:
+        """An argument with graph nodes replaced by what they hold: tensors as `_TensorValue`s,
+        lists of tensors as tuples of them, other objects (process groups, ...) as they are."""
+        if isinstance(arg, fx.Node):
+            return _tensor_values(self.env[arg]) if _holds_tensors(arg) else self.env[arg]
+        if isinstance(arg, (list, tuple)):
+            return tuple(self.values(a) for a in arg)
+        return arg
+
+    def outputs(self, val: Any, emit: Callable[[tuple[int, ...], torch.Tensor], int], path: tuple[int, ...] = ()) -> Value:
+        """`emit(path, tensor)` for each tensor of an op's output, in the output's nesting."""
+        if isinstance(val, torch.Tensor):
+            return emit(path, val)
+        if isinstance(val, (tuple, list)):
+            return tuple(self.outputs(v, emit, path + (i,)) for i, v in enumerate(val))
+        if val is None:
+            return None
+        raise UnsupportedOp(f"{type(val).__name__} output", _at(self.location(self.current)))
+
+    def inlined(self, node: fx.Node, target: Any, sub: fx.GraphModule, operands: list[fx.Node]) -> Value:
+        """The decomposition `sub` of `node` lowered in its place, every op at `node`'s line."""
+        outer_site, outer_current = self.site, self.current
+        self.site = outer_site or node
+        self._decomposing.append(target)
+        try:
+            placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+            for placeholder, operand in zip(placeholders, operands):
+                self.env[placeholder] = self.env[operand]
+            result: Value = None
+            for inner in sub.graph.nodes:
+                self.current = inner
+                if inner.op == "call_function":
+                    self.env[inner] = self.call(inner)
+                elif inner.op == "get_attr":
+                    self.env[inner] = self.get_attr_of(sub, inner)
+                elif inner.op == "output":
+                    result = _structured(inner.args[0], self.env)
+            return result
+        finally:
+            self._decomposing.pop()
+            self.site, self.current = outer_site, outer_current
 
     def mark_silent_steps(self) -> None:
         """A backward formula that emits no op (only reads its saved tensors, and returns the
@@ -197,6 +310,56 @@ class Lowerer:
                     f"{read}; shardproof's IR has no aliasing: write out of place instead)",
                 )
         return reshapes
+
+
+class Declined(Exception):
+    """A hand lowering that does not cover this call's arguments (a strided slice, a tensor
+    exponent): the call is lowered as an open op instead."""
+
+
+_DECLINED = object()  # what `Lowerer.lowered` returns for a declined call (None means "no value")
+
+
+@dataclass(frozen=True)
+class _TensorValue:
+    """An IR value standing where an op's argument template has a tensor."""
+
+    id: int
+
+
+def _holds_tensors(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) or (isinstance(val, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in val))
+
+
+def _tensor_values(value: Value) -> Any:
+    if isinstance(value, tuple):
+        return tuple(_tensor_values(v) for v in value)
+    return None if value is None else _TensorValue(value)
+
+
+def _structured(value: Any, env: dict[fx.Node, Value]) -> Value:
+    """A graph's output (nodes, possibly nested) as the IR values they hold."""
+    if isinstance(value, fx.Node):
+        return env[value]
+    if isinstance(value, (list, tuple)):
+        return tuple(_structured(v, env) for v in value)
+    return value
+
+
+def _functional(target: Any) -> Any | None:
+    """The out-of-place overload of an in-place op (`add_.Tensor` -> `add.Tensor`); other ops as
+    they are; None where there is none."""
+    schema = target._schema
+    if not any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+        return target
+    namespace, name = schema.name.split("::")
+    packet = getattr(getattr(torch.ops, namespace), name.removesuffix("_"), None) if name.endswith("_") else None
+    return getattr(packet, target._overloadname, None) if packet is not None else None
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def node_name(node: fx.Node | None) -> str:
@@ -337,13 +500,43 @@ def slice_value(lo: Lowerer, value: int, dim: int, start: int, end: int) -> int:
 def _slice(lo: Lowerer, x, dim: int = 0, start=None, end=None, step: int = 1) -> int:
     value = lo.tensor(x)
     dim = _dim(dim, len(lo.shape(value)))
-    return slice_value(lo, value, dim, *_slice_range(lo, "slice", lo.shape(value)[dim], start, end, step))
+    start, end = _slice_range(lo.shape(value)[dim], start, end, step)
+    return slice_value(lo, value, dim, start, end) if step == 1 else _strided(lo, value, dim, start, end, step)
 
 
-def _slice_range(lo: Lowerer, op: str, size: int, start: int | None, end: int | None, step: int) -> tuple[int, int]:
-    """aten's [start, end) on a dim of `size` (None for the ends, negative from the back), clamped."""
-    if step != 1:
-        raise UnsupportedOp(f"{op} with step != 1", _at(lo.locate(lo.current)))
+def _strided(lo: Lowerer, value: int, dim: int, start: int, end: int, step: int) -> int:
+    """`x[start:end:step]` along `dim` as layout ops. When `step` divides the dim, the dim viewed
+    as a (size / step, step) grid holds the slice in column `start % step`, rows from
+    `start // step`; else the k elements taken lie in k blocks of `step` from `start` (the last
+    one, if its block would run past the dim, taken on its own)."""
+    shape = lo.shape(value)
+    count = max(0, -(-(end - start) // step))
+    if shape[dim] % step == 0:
+        return _grid_column(lo, value, dim, start // step, count, start % step, step)
+    whole = count if start + step * count <= shape[dim] else count - 1
+    parts = [_grid_column(lo, slice_value(lo, value, dim, start, start + step * whole), dim, 0, whole, 0, step)] if whole else []
+    if whole < count:
+        last = start + step * whole
+        parts.append(slice_value(lo, value, dim, last, last + 1))
+    if len(parts) == 1:
+        return parts[0]
+    out_shape = shape[:dim] + (count,) + shape[dim + 1 :]
+    return lo.emit("cat", tuple(parts), (dim,), out_shape, lo.dtype(value))
+
+
+def _grid_column(lo: Lowerer, value: int, dim: int, row: int, rows: int, column: int, step: int) -> int:
+    """Rows [row, row + rows) of column `column` of `dim` viewed as a (size / step, step) grid."""
+    shape = lo.shape(value)
+    grid = _as_buffer(lo, value, shape[:dim] + (shape[dim] // step, step) + shape[dim + 1 :])
+    cell = slice_value(lo, slice_value(lo, grid, dim, row, row + rows), dim + 1, column, column + 1)
+    return _as_buffer(lo, cell, shape[:dim] + (rows,) + shape[dim + 1 :])
+
+
+def _slice_range(size: int, start: int | None, end: int | None, step: int) -> tuple[int, int]:
+    """aten's [start, end) on a dim of `size` (None for the ends, negative from the back), clamped.
+    A symbolic offset with a step is not lowered here (see capture/symbolic_rank)."""
+    if step != 1 and (isinstance(start, RankExpr) or isinstance(end, RankExpr)):
+        raise Declined
     start = 0 if start is None else (start + size if start < 0 else start)
     end = size if end is None else (end + size if end < 0 else end)
     return _clamped(start, size), _clamped(end, size)
@@ -391,7 +584,9 @@ def _written_over(lo: Lowerer, base: int, src: int, dim: int, start: int | None,
     """`base` with `src` written over [start, end) of `dim`: the untouched parts of base around src."""
     shape = lo.shape(base)
     dim = _dim(dim, len(shape))
-    start, end = _slice_range(lo, "slice_scatter", shape[dim], start, end, step)
+    if step != 1:
+        raise Declined
+    start, end = _slice_range(shape[dim], start, end, step)
     before = [slice_value(lo, base, dim, 0, start)] if start > 0 else []  # no empty slices: nothing reads them
     after = [slice_value(lo, base, dim, end, shape[dim])] if end < shape[dim] else []
     parts = [*before, src, *after]
@@ -540,13 +735,13 @@ def _rsub(lo: Lowerer, x, y, alpha=1) -> int:
 
 def _div(lo: Lowerer, x, y, rounding_mode=None) -> int:
     if rounding_mode is not None:
-        raise UnsupportedOp(f"div with rounding_mode={rounding_mode}")
+        raise Declined
     return _elementwise("div")(lo, x, y)
 
 
 def _pow(lo: Lowerer, x, exponent) -> int:
     if not isinstance(exponent, (int, float)):
-        raise UnsupportedOp("pow with a tensor exponent")
+        raise Declined
     return lo.emit("pow", (lo.tensor(x),), (float(exponent),))
 
 
@@ -661,7 +856,7 @@ def _flattened_source(lo: Lowerer, value: int) -> int | None:
 
 def _addmm(lo: Lowerer, bias, a, b, beta=1, alpha=1) -> int:
     if beta != 1 or alpha != 1:
-        raise UnsupportedOp("addmm with beta/alpha != 1")
+        raise Declined
     product = _mm(lo, a, b)
     return lo.emit("add", (product, broadcast_to(lo, lo.tensor(bias), lo.shape(product))))
 
@@ -689,7 +884,7 @@ def _scatter(op: str) -> Callable[..., int]:
 
     def lower(lo: Lowerer, x, dim: int, index, src, **kwargs) -> int:
         if kwargs.get("reduce") is not None:
-            raise UnsupportedOp(f"{op} with reduce={kwargs['reduce']}", _at(lo.locate(lo.current)))
+            raise Declined
         value, where = lo.tensor(x), lo.tensor(index)
         source = broadcast_to(lo, lo.tensor(src), lo.shape(where))
         return lo.emit(op, (value, where, source), (_dim(dim, len(lo.shape(value))),))
@@ -706,13 +901,11 @@ def _index(lo: Lowerer, x, indices) -> int:
     shape = lo.shape(value)
     if _every_row(lo, indices, shape):
         return value
-    where = _at(lo.locate(lo.current))
-    unsupported = UnsupportedOp("aten.index other than x[arange(n), idx] (a row-wise gather)", where)
     if len(indices) != 2 or len(shape) < 2 or not all(isinstance(i, fx.Node) for i in indices):
-        raise unsupported
+        raise Declined
     rows, idx = (lo.tensor(i) for i in indices)
     if not _is_arange(lo, rows, shape[0]) or lo.shape(idx) != shape[:1]:
-        raise unsupported
+        raise Declined
     table, ids = _unflattened(lo, value, idx)
     lead = lo.shape(ids)
     tail = lo.shape(table)[len(lead) + 1 :]
@@ -767,10 +960,10 @@ def _index_put(lo: Lowerer, x, indices, values, accumulate: bool = False) -> int
         return lo.emit("add", (target, value), (), shape, lo.dtype(target)) if accumulate else value
     masks = [i for i in indices if i is not None]
     if accumulate or len(masks) != 1 or len(indices) != 1:
-        raise UnsupportedOp("index_put other than x[bool_mask] = value or x[arange(n), idx] = v", _at(lo.locate(lo.current)))
+        raise Declined
     mask = lo.tensor(masks[0])
     if lo.dtype(mask) != "bool":
-        raise UnsupportedOp("index_put with integer indices", _at(lo.locate(lo.current)))
+        raise Declined
     mask_shape = lo.shape(mask)
     padded = mask_shape + (1,) * (len(shape) - len(mask_shape))
     if padded != mask_shape:
@@ -785,7 +978,7 @@ def _row_wise_put(lo: Lowerer, target: int, rows: int, idx: int, values, accumul
     dims (as in `_index`, so the write meets the lookup `x[arange(n), idx]` read)."""
     shape = lo.shape(target)
     if len(shape) != 2 or not _is_arange(lo, rows, shape[0]) or lo.shape(idx) != shape[:1]:
-        raise UnsupportedOp("index_put other than x[bool_mask] = value or x[arange(n), idx] = v", _at(lo.locate(lo.current)))
+        raise Declined
     table, ids = _unflattened(lo, target, idx)
     lead = lo.shape(ids)
     column_shape = lead + (1,)

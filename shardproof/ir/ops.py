@@ -2,16 +2,22 @@
 
 Each entry says what kind of op it is (the rule templates in `shardproof.relations` are written per
 kind, not per op) and how to run it on real tensors (used by the numeric tests of every rule).
-Adding an op is one entry here plus, if its kind is new, its rule template.
+Adding an op is one entry here plus, if its kind is new, its rule template. Ops without an entry
+are not refused: any torch operator overload is an open op (`ir/aten_ops.py`), its kind read off
+torch's tags; an entry here is for the ops whose distribution laws are written by hand.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+
+from shardproof.ir import aten_ops
 
 Impl = Callable[[list[torch.Tensor], tuple[Any, ...]], torch.Tensor]
 
@@ -19,7 +25,8 @@ Impl = Callable[[list[torch.Tensor], tuple[Any, ...]], torch.Tensor]
 @dataclass(frozen=True)
 class OpSpec:
     name: str
-    kind: str  # leaf const layout unary binary compare where reduce softmax matmul embedding gather scatter mask collective
+    kind: str  # ours: leaf const layout unary binary compare where reduce softmax matmul embedding gather scatter mask
+    # collective call; open ops: pointwise reduction random opaque (ir/aten_ops.py)
     impl: Impl | None
     doc: str
 
@@ -64,7 +71,6 @@ _SPECS = [
     OpSpec("relu", "unary", _unary(torch.relu), "max(x, 0)"),
     OpSpec("silu", "unary", _unary(F.silu), "x*sigmoid(x)"),
     OpSpec("gelu", "unary", lambda xs, a: F.gelu(xs[0], approximate=a[0]), "GELU (attrs: approximation)"),
-    OpSpec("erf", "unary", _unary(torch.erf), "error function (in GELU's derivative)"),
     OpSpec("sigmoid", "unary", _unary(torch.sigmoid), "logistic"),
     OpSpec("tanh", "unary", _unary(torch.tanh), "tanh"),
     OpSpec("erf", "unary", _unary(torch.erf), "error function (exact GELU and its backward)"),
@@ -101,14 +107,45 @@ _SPECS = [
            "xs[0] plus xs[2] added at index xs[1] along attrs[0] (gather's backward)"),
     OpSpec("triu", "mask", lambda xs, a: torch.triu(xs[0], a[0]), "upper triangle from diagonal attrs[0]"),
     OpSpec("tril", "mask", lambda xs, a: torch.tril(xs[0], a[0]), "lower triangle from diagonal attrs[0]"),
-    OpSpec("index_put", "where", None, "x with positions where mask is true set to value: lowered to where"),
     OpSpec("all_reduce", "collective", None, "sum, mean or max (attrs[0]) over the group attrs[1]"),
     OpSpec("all_gather", "collective", None, "concatenate every rank's tensor along attrs[0] over group attrs[1]"),
     OpSpec("reduce_scatter", "collective", None, "sum over ranks, this rank keeps chunk rank of dim attrs[0]"),
     OpSpec("call", "call", None, "output attrs[1] of a repeated module's graph attrs[0] on the inputs (shardproof.partition)"),
 ]
 
-OPS: dict[str, OpSpec] = {spec.name: spec for spec in _SPECS}
+
+
+class OpTable(Mapping[str, OpSpec]):
+    """Our own ops by name, and every torch operator overload as an open op (`ir/aten_ops.py`),
+    its spec derived from its tags when first asked for."""
+
+    def __init__(self, specs: list[OpSpec]):
+        self._own = {spec.name: spec for spec in specs}
+
+    def __getitem__(self, op: str) -> OpSpec:
+        spec = self._own.get(op)
+        if spec is None:
+            if not aten_ops.is_open(op):
+                raise KeyError(op)
+            spec = _open_spec(op)
+        return spec
+
+    def __contains__(self, op: object) -> bool:
+        return isinstance(op, str) and (op in self._own or aten_ops.is_open(op))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._own)
+
+    def __len__(self) -> int:
+        return len(self._own)
+
+
+@functools.lru_cache(maxsize=None)
+def _open_spec(op: str) -> OpSpec:
+    return OpSpec(op, aten_ops.kind(op), lambda xs, attrs: aten_ops.run(op, xs, attrs), f"torch's {op}")
+
+
+OPS = OpTable(_SPECS)
 
 
 def run_op(op: str, inputs: list[torch.Tensor], attrs: tuple[Any, ...]) -> torch.Tensor:

@@ -292,11 +292,6 @@ def test_one_hot_writes_lower_to_what_torch_computes() -> None:
     _assert_ir_computes_what_torch_computes(OneHotWrites, captured)
 
 
-def test_indexing_other_than_a_row_wise_gather_is_unsupported() -> None:
-    with pytest.raises(UnsupportedOp, match="row-wise gather"):
-        capture(_elementwise_case(lambda w, x: w[(x > 0).long()].sum(0)), 2)
-
-
 def _padded(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return F.pad(x * w, (1, 2, -1, 0), value=0.5)
 
@@ -307,6 +302,25 @@ def _erf_mse(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 def _stacked(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.stack([x * w, x], dim=1).sum(dim=0)
+
+
+def _indexed_by_a_tensor(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return w[(x > 0).long()].sum(1) + x.cumsum(-1)
+
+
+def _strided_slices(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    y = x * w
+    return torch.cat([y[:, ::2], y[:, 1::2], y[:, 1:5:3], y[::3, :].repeat(2, 1)[:, :2]], dim=1)
+
+
+def _tensor_exponent(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return 10000.0 ** (torch.arange(0, 6).float() / 6) * x + w.abs().pow(x)
+
+
+def _attention_and_top_values(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    q = (x * w).view(1, 2, 2, 6)
+    attended = F.scaled_dot_product_attention(q, q, q, is_causal=True).reshape(4, 6)
+    return attended + torch.topk(x, 2, dim=1).values.sum(1, keepdim=True) + F.softplus(x).argmax(1, keepdim=True)
 
 
 def _averaged_shard(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -333,6 +347,7 @@ def _reduce_scatter_into_narrow_buffer(w: torch.Tensor, x: torch.Tensor) -> torc
 
 _MODEL_FUNCTIONS = [Elementwise.forward, LabelLookups.forward, OneHotWrites.forward, _in_place_chain, _copy_into_zeros,
                     _write_view_read_base, _write_base_read_view, _all_reduce_view_read_base, _padded, _erf_mse, _stacked,
+                    _indexed_by_a_tensor, _strided_slices, _tensor_exponent, _attention_and_top_values,
                     _averaged_shard, _gather_into_wide_buffer, _reduce_scatter_into_narrow_buffer]
 
 
@@ -350,6 +365,15 @@ def test_in_place_ops_lower_as_their_out_of_place_meaning(body: Callable) -> Non
 @pytest.mark.parametrize("body", [_padded, _erf_mse, _stacked], ids=lambda f: f.__name__)
 def test_composite_ops_lower_to_what_torch_computes(body: Callable) -> None:
     """constant_pad_nd (also cropping), erf, mse_loss, new_full, stack."""
+    _assert_ir_computes(body)
+
+
+@pytest.mark.parametrize("body", [_indexed_by_a_tensor, _strided_slices, _tensor_exponent, _attention_and_top_values],
+                         ids=lambda f: f.__name__)
+def test_ops_without_a_hand_lowering_lower_to_what_torch_computes(body: Callable) -> None:
+    """Open ops (indexing by a tensor, cumsum, topk, argmax, softplus), torch's decompositions
+    (SDPA, strided `repeat`), and calls a hand lowering declines (strided slices, a tensor
+    exponent) run as torch runs them."""
     _assert_ir_computes(body)
 
 

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shardproof.relations.evaluate import evaluate
-from test_rules import SETTINGS, Build, ranges
+from test_rules import V, SETTINGS, Build, ranges
 
 
 # --- view ------------------------------------------------------------------------------------------
@@ -62,6 +62,25 @@ def test_view_of_slice_head_split_follows_the_reference():
     y = plain.view(plain.sl(x, 1, 36, 40), (seq, 1, 4))
     plain.check(y)
     assert not plain.is_slice_of(y, plain.view(x, (seq, 12, 4)))
+
+
+def test_a_column_of_a_grid_dropped_by_a_view_keeps_the_other_slices_outside():
+    """`x[..., ::2]` is column 0 of the last dim viewed as a (d/2, 2) grid, the column's one-wide
+    dim then dropped. A rank's heads of that are the reference's strided slice, cut to its heads:
+    the column (which no box of a view can express) is held as a tensor of its own, the heads
+    box is a box of its view."""
+    b = Build()
+    q = b.leaf("q", (2, 4, 6, 4))
+
+    def even_columns(x: V) -> V:
+        grid = b.view(x, x.shape[:3] + (2, 2))
+        return b.view(b.sl(grid, 4, 0, 1), x.shape[:3] + (2,))
+
+    whole = even_columns(q)
+    b.r.reference_size = len(b.u)
+    heads = even_columns(b.sl(q, 1, 0, 2))
+    b.check(heads)
+    assert b.is_slice_of(heads, whole) and b.u[heads.term].attrs[0] == ((0, 2), (0, 2), (0, 6), (0, 2))
 
 
 def test_one_head_of_a_batch_of_one_follows_the_reference():

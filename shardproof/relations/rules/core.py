@@ -120,4 +120,8 @@ _BY_KIND: dict[str, Callable[..., int]] = {
     "gather": lookups.gather,
     "scatter": one_hot.scatter,
     "mask": masks.keep_literal,
+    # open ops (ir/aten_ops.py), by the tags torch gives them
+    "pointwise": elementwise.elementwise,
+    "reduction": reductions.open_reduction,
+    "opaque": lambda r, op, args, attrs, shape, dtype: r.literal(op, args, attrs, shape, dtype),  # congruence
 }

@@ -9,6 +9,7 @@ import math
 from fractions import Fraction
 from typing import TYPE_CHECKING, Callable
 
+from shardproof.ir.aten_ops import reduced_dims
 from shardproof.relations.layout import reshape_groups
 from shardproof.relations.rules.elementwise import elementwise
 from shardproof.relations.rules.linear import LinearRules
@@ -110,6 +111,29 @@ def _reduce_through_view(r: Rules, op: str, x: int, dims: tuple[int, ...], shape
         return r.view(source, shape)
     kept = tuple(n for d, n in enumerate(r.shape(source)) if d not in source_dims)
     return r.view(r.build(op, (source,), (tuple(sorted(source_dims)), False), kept, dtype), shape)
+
+
+def open_reduction(r: Rules, op: str, args, attrs, shape, dtype) -> int:
+    """A reduction torch tags as one (`all`, `argmax`, `logsumexp`, `var`, ...; ir/aten_ops.py)
+    reduces each fiber along its dims on its own, so it commutes with the layouts of the dims it
+    keeps: over a slice or concatenation along kept dims it is that slice or concatenation of the
+    reduction of the whole."""
+    x = args[0]
+    dims, keepdim = reduced_dims(op, attrs, len(r.shape(x)))
+
+    def reduced(t: int) -> tuple[int, ...]:
+        return tuple(1 if d in dims else n for d, n in enumerate(r.shape(t)) if keepdim or d not in dims)
+
+    if len(args) == 1:
+        root, box = r.as_region(x)
+        if root != x and all(box[d] == (0, r.shape(root)[d]) for d in dims):
+            kept = tuple((0, 1) if d in dims else b for d, b in enumerate(box) if keepdim or d not in dims)
+            return r.slice(r.build(op, (root,), attrs, reduced(root), dtype), kept)
+        term = r.u[x]
+        if term.op == "cat" and term.attrs[0] not in dims:
+            dim = term.attrs[0] - (0 if keepdim else sum(d < term.attrs[0] for d in dims))
+            return r.cat([r.build(op, (p,), attrs, reduced(p), dtype) for p in term.args], dim)
+    return r.literal(op, args, attrs, shape, dtype)
 
 
 def softmax(r: Rules, op: str, args, attrs, shape, dtype) -> int:
