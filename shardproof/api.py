@@ -1,26 +1,21 @@
-"""`shardproof.verify`: capture, prove, report."""
+"""`shardproof.verify`: the PyTorch front end. A case is traced into programs the driver proves."""
 
 from __future__ import annotations
 
 import functools
 import math
-import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
-from shardproof.capture.torch_capture import Captured, capture
+from shardproof.capture.torch_capture import capture
 from shardproof.case import Case, load_case, normalize_output
-from shardproof.errors import UnsupportedOp
-from shardproof.findings import combined, confirmed, failing_claims
-from shardproof.gc_tuning import fewer_collections
-from shardproof.ir.graph import Graph, Node
+from shardproof.driver import Candidate, verify_candidates
+from shardproof.ir.graph import Graph
 from shardproof.oracle import run_numeric
 from shardproof.partition.backends import placement
-from shardproof.partition.structure import structural
-from shardproof.prove import Proof, prove
-from shardproof.report.model import Report, Site
+from shardproof.report.model import Report
 
 
 def verify(
@@ -65,67 +60,14 @@ def verify(
         case.use_preset(preset)
     n = world_size or case.world_size
     mode = case.resolve_mode(train, step)
-    with fewer_collections():
-        return _verify(case, n, mode, progress, backend, ray_address, memo)
 
-
-def _verify(
-    case: Case, n: int, mode: str, progress: Callable[[str], None], backend: str, ray_address: str | None, memo: bool
-) -> Report:
-    start = time.perf_counter()
-    try:
+    def front_end() -> Iterator[Candidate]:
         captured = capture(case, n, progress, mode, memo, placement(backend, case, n, memo, ray_address))
-    except UnsupportedOp as err:
-        return Report("unknown", n, time.perf_counter() - start, 0, 0, str(err), unknown={"op": err.op, "reason": str(err)})
-    progress("proving")
-    proof = prove(captured, progress)
-    if proof.verdict == "discrepancy":
-        progress("confirming the discrepancy on random weights")
         numbers = functools.partial(run_numeric, case, n, mode=mode)
-        proof.findings = confirmed(numbers, proof.findings, _state_elements(captured.reference))
-    return proof_report(proof, captured, n, time.perf_counter() - start)
+        yield Candidate(captured, n, numbers, _state_elements(captured.reference))
 
-
-def proof_report(proof: Proof, captured: Captured, world_size: int, seconds: float) -> Report:
-    """The report of a finished proof: verdict, figures, and the sites a finding names."""
-    report = Report(
-        proof.verdict,
-        world_size,
-        seconds,
-        captured.reference.op_count(),
-        sum(structural(g, "op count", Graph.op_count) for g in captured.ranks),
-        capture_seconds=captured.seconds,
-        terms=proof.terms,
-        notes=proof.notes,
-        calls_proven=proof.calls.proven if proof.calls else 0,
-        calls_reused=proof.calls.reused if proof.calls else 0,
-    )
-    if proof.findings:
-        finding = combined(proof.findings, proof.unchecked)
-        report.claims = failing_claims(proof.findings)
-        report.diagnosis = finding.message
-        report.distributed = _unique([_site(node, rank) for rank, node in finding.distributed])
-        report.reference = _unique([_site(node, None) for node in finding.reference])
-        if finding.verdict == "unknown":
-            report.unknown = {"op": finding.op or "", "reason": finding.message}
-    return report
+    return verify_candidates(front_end, n, progress)
 
 
 def _state_elements(reference: Graph) -> int:
     return sum(math.prod(n.shape) for n in reference.nodes if n.op == "leaf")
-
-
-def _site(node: Node, rank: int | None) -> Site:
-    loc = node.loc
-    op = f"{node.op} in the backward" if loc and loc.backward else node.op
-    return Site(loc.file if loc else "?", loc.line if loc else 0, loc.code if loc else node.name, op, rank, node.name)
-
-
-def _unique(sites: list[Site]) -> list[Site]:
-    seen, out = set(), []
-    for site in sites:
-        key = (site.file, site.line, site.rank)
-        if key not in seen:
-            seen.add(key)
-            out.append(site)
-    return out

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
@@ -17,8 +17,8 @@ from typing import Any, Callable
 import torch
 
 from shardproof.errors import CaseError
+from shardproof.programs import Output
 
-Output = tuple[str, ...] | tuple[str, int]
 MODES = ("forward", "train", "step")  # what is proven: outputs; loss and gradients; also the updated parameters
 
 
@@ -38,7 +38,6 @@ class Case:
     optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None
     mode: str = "forward"  # default for the CLI's --train / --step
     source: Path | None = None
-    source_functions: list[Callable] = field(default_factory=list)
     module: ModuleType | None = None
 
     def output_layout(self) -> Output:
@@ -91,7 +90,6 @@ def load_case(path: str | Path) -> Case:
         optimizer=getattr(module, "optimizer", None),
         mode=_mode(getattr(module, "MODE", "forward")),
         source=path.resolve(),
-        source_functions=_functions_defined_in(module),
         module=module,
     )
 
@@ -118,21 +116,3 @@ def _import_file(path: Path) -> ModuleType:
     except Exception as err:  # noqa: BLE001 - any import-time failure is the user's to fix
         raise CaseError(f"{path}: importing the case file failed: {type(err).__name__}: {err}") from err
     return module
-
-
-def _functions_defined_in(module: ModuleType) -> list[Callable]:
-    """Functions and methods written in the case file: their frames are kept as source locations."""
-    found: list[Callable] = []
-    for value in vars(module).values():
-        if getattr(value, "__module__", None) != module.__name__:
-            continue
-        if isinstance(value, type):
-            found.extend(v for v in map(unwrapped, vars(value).values()) if callable(v) and hasattr(v, "__code__"))
-        elif callable(value) and hasattr(value, "__code__"):
-            found.append(value)
-    return found
-
-
-def unwrapped(member: Any) -> Any:
-    """The function behind a staticmethod or classmethod (an autograd Function's forward and backward)."""
-    return member.__func__ if isinstance(member, (staticmethod, classmethod)) else member

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable
 
-from shardproof.oracle import NumericResult
+from shardproof.programs import NumericResult
 from shardproof.relations.diagnose import Finding
 
 NUMERIC_CHECK_LIMIT = 50_000_000  # reference state elements up to which a discrepancy is run numerically

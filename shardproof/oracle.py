@@ -16,7 +16,7 @@ import math
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
@@ -33,39 +33,16 @@ from torch.testing._internal.distributed.multi_threaded_pg import (
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shardproof.case import Case, Output
+from shardproof.case import Case
 from shardproof.errors import CaseError
+from shardproof.programs import Check, NumericResult, Output
 from shardproof.state import module_state
-from shardproof.steps import Check, Trained, agreed, program_for
+from shardproof.steps import Trained, agreed, program_for
 
 # The threaded process group swaps torch's global c10d world: one oracle run at a time.
 _LOCK = threading.Lock()
 # A rank still running this long after the first rank finished waits for a collective its peers never issue.
 _HANG_GRACE_S = 1.0
-
-
-@dataclass
-class NumericResult:
-    """The verdict of one numeric run; `detail` names the worst rank so a failure can be found.
-
-    `differing` says, claim by claim (steps.Check labels), which claims the numbers refute: a
-    finding about one claim is confirmed by that claim's numbers, not by another's. A run that
-    could not be compared claim by claim (a hang, ranks claiming different parameters) leaves it
-    empty while disagreeing: it refutes the programs as a whole."""
-
-    agree: bool
-    max_abs_error: float
-    max_rel_error: float  # relative to max |reference|
-    detail: str  # human-readable, e.g. "rank 1 differs by 3.2e-1"
-    differing: dict[str, str] = field(default_factory=dict)  # claim label -> where it differs most
-
-    def differs(self, claim: str | None) -> str | None:
-        """Where the numbers refute `claim` (None: the programs as a whole), or None if they do not."""
-        if self.agree:
-            return None
-        if claim is None or not self.differing:
-            return self.detail
-        return self.differing.get(claim)
 
 
 @dataclass

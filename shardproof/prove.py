@@ -14,16 +14,15 @@ from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Callable
 
-from shardproof.capture.torch_capture import Captured
 from shardproof.egraph.saturate import prove_equal
 from shardproof.ir.graph import Graph
 from shardproof.partition.boundary import NotPartitioned
 from shardproof.partition.execute import CallProofs, Unmatched, aligned, execute_with_calls, instances, through_call
 from shardproof.partition.templates import expand, has_calls
+from shardproof.programs import Captured, Check
 from shardproof.relations.diagnose import Diagnoser, Finding
 from shardproof.relations.execute import CollectiveMismatch, Execution, execute
 from shardproof.report.progress import count
-from shardproof.steps import Check
 
 
 DIAGNOSED_CLAIMS = 5  # failing checks diagnosed; the checks after the last of them are not proven

@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from shardproof.case import Case
 from shardproof.errors import CaseError
-from shardproof.importers.layouts import plain_layout, take
+from shardproof.layouts import plain_layout, take
 
 
 def module_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -62,7 +62,7 @@ def _infer_shard(
     name: str, held: torch.Tensor, ref_state: dict[str, torch.Tensor], rank: int, world_size: int
 ) -> torch.Tensor:
     """Default loader: same name in the reference; the layout from DTensor placements, or from the
-    shapes by the rule the graph importers start from (`importers/layouts.plain_layout`)."""
+    shapes by the rule the graph importers start from (`layouts.plain_layout`)."""
     if name not in ref_state:
         raise CaseError(
             f"cannot infer how `{name}` is built from the reference state: no reference tensor has that "

@@ -29,25 +29,12 @@ from torch.distributed.tensor import DTensor
 from torch.func import functional_call
 from torch.nn.utils.stateless import _reparametrize_module
 
-from shardproof.case import Case, Output
+from shardproof.case import Case
 from shardproof.errors import CaseError
+from shardproof.programs import Check
 from shardproof.state import as_model_holds, local_shards, module_state, rank_inputs, rank_state
 
 Tensors = list[torch.Tensor]
-
-
-@dataclass(frozen=True)
-class Check:
-    """One claim, proven on every rank: a rank output equals an expected value.
-
-    `relation` is the case's Output layout (expected = reference output `expected`), "loss"
-    (reference output `expected`, replicated or as a mean over ranks) or "rank" (expected = this
-    rank's own output `expected`, which the rank computed from bound reference outputs)."""
-
-    label: str
-    actual: int
-    expected: int
-    relation: Output | str
 
 
 @dataclass(frozen=True)
@@ -70,7 +57,8 @@ class Program:
         self.case = case
 
     def reference(self, model: torch.nn.Module, state: dict, inputs: tuple) -> Tensors:
-        return flat_tensors(functional_call(model, state, inputs))
+        with torch.no_grad():  # no gradient is claimed: code that acts on grad mode takes its inference path
+            return flat_tensors(functional_call(model, state, inputs))
 
     def rank(self, model: torch.nn.Module, ref_state: dict, inputs: tuple, rank: int, world_size: int,
              bound: Tensors) -> tuple[Tensors, Trained]:
@@ -84,7 +72,8 @@ class Program:
     def run_loaded(self, model: torch.nn.Module, loaded: Tensors) -> Tensors:
         held = list(module_state(model))
         state = as_model_holds(dict(zip(held, loaded)), model)
-        return flat_tensors(functional_call(model, state, tuple(loaded[len(held) :])))
+        with torch.no_grad():
+            return flat_tensors(functional_call(model, state, tuple(loaded[len(held) :])))
 
     def checks(self, reference_outputs: int, rank_outputs: int, trained: Trained) -> list[Check]:
         if rank_outputs != reference_outputs:

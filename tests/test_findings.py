@@ -13,7 +13,8 @@ from torch import nn
 
 from shardproof.case import Case
 from shardproof.findings import NUMERIC_CHECK_LIMIT, combined, confirmed, failing_claims
-from shardproof.oracle import NumericResult, run_numeric
+from shardproof.oracle import run_numeric
+from shardproof.programs import NumericResult
 from shardproof.relations.diagnose import Finding
 
 GRADIENT, LOSS = "gradient of `weight`", "loss"

@@ -227,6 +227,24 @@ def test_ranks_claiming_other_parameters_cannot_be_compared() -> None:
     assert not numbers.agree and "rank 1 claims other gradients" in numbers.detail
 
 
+class InferenceOnly(Mlp):
+    """A kernel that refuses to record gradients (FlexAttention on CPU does) and a hook that can only
+    be registered where they are recorded (transformers' ReplicatedWithGradAllReduce)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        if y.requires_grad:
+            raise NotImplementedError("this kernel does not support backward")
+        return y
+
+
+def test_a_forward_program_records_no_gradients() -> None:
+    """Forward mode claims no gradient, so both sides run as inference does, under no_grad."""
+    case = Case(InferenceOnly, lambda rank, world_size: InferenceOnly(), lambda: (torch.randn(3, HIDDEN),))
+    assert verify(case, world_size=2).verdict == "equivalent"
+    assert run_numeric(case, 2).agree
+
+
 # --- tied weights and DTensor gradients ---------------------------------------------------------
 class Tied(nn.Module):
     """Two layers sharing one weight (as an embedding and its head with `tie_word_embeddings`)."""

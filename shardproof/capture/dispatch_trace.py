@@ -24,7 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from shardproof.capture.locations import NOT_USER_CODE, tag_autograd_origin
+from shardproof.capture.locations import is_user_code, tag_autograd_origin
 from shardproof.errors import ShardproofError
 
 
@@ -130,7 +130,7 @@ class Recorder(TorchDispatchMode):
         frame = sys._getframe(2)
         while frame is not None and frame is not self.entry:
             file = frame.f_code.co_filename
-            if not file.startswith(NOT_USER_CODE):
+            if is_user_code(file):
                 code = linecache.getline(file, frame.f_lineno).strip()
                 return f'  File "{file}", line {frame.f_lineno}, in {frame.f_code.co_name}\n    {code}\n'
             frame = frame.f_back

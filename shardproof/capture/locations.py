@@ -12,53 +12,59 @@ from __future__ import annotations
 import bisect
 import contextlib
 import functools
+import os
 import re
 import sys
+import sysconfig
 import traceback
 from pathlib import Path
-from types import CodeType, FrameType, SimpleNamespace
+from types import FrameType
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
 import typing_extensions
 from torch.fx.experimental.proxy_tensor import PythonKeyTracer
-from torch.fx.proxy import _register_stack_trace_anchor
 
-from shardproof.case import unwrapped
 from shardproof.ir.graph import Location
 
-_TORCH_DIR = str(Path(torch.__file__).parent)
+_TORCH_DIR = str(Path(torch.__file__).parent) + os.sep
 # torch's files, shardproof's own, and typing_extensions (its `deprecated` wrapper sits between a
-# user's line and torch's deprecated collectives: make_fx drops it, the light tracer must too)
-NOT_USER_CODE = (_TORCH_DIR, str(Path(__file__).parents[1]), typing_extensions.__file__)
+# user's line and torch's deprecated collectives)
+_TOOLS = (_TORCH_DIR, str(Path(__file__).parents[1]) + os.sep, typing_extensions.__file__)
+_STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
+_INSTALLED = tuple({sysconfig.get_paths()[key] + os.sep for key in ("purelib", "platlib")})
 _FORWARD_SEQ = "shardproof_seq_nr"  # meta key: the autograd sequence number a forward op was given
 _GRAD_OF = "shardproof_grad_of"  # meta key: the sequence number of the forward op a backward formula differentiates
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\n\s*(?P<code>[^\n]*)')
 
 
-def anchor_user_code(functions: list[Callable], case_dir: Path) -> None:
-    """make_fx keeps only frames named `forward`; keep every frame of the user's own code too,
-    nested functions and lambdas (a gradient hook) included."""
-    for fn in functions:
-        if hasattr(fn, "__code__"):
-            _anchor_code(fn.__code__)
-    for module in list(sys.modules.values()):
-        path = getattr(module, "__file__", None)
-        if not path or not Path(path).resolve().is_relative_to(case_dir):
-            continue
-        for value in list(vars(module).values()):
-            candidates = vars(value).values() if isinstance(value, type) else [value]
-            for fn in map(unwrapped, candidates):
-                if hasattr(fn, "__code__") and fn.__code__.co_filename == path:
-                    _anchor_code(fn.__code__)
+@functools.lru_cache(maxsize=None)
+def is_user_code(file: str) -> bool:
+    """Whether a frame of `file` is the user's code: the case file and every library a model comes
+    from (transformers, torchtitan, Megatron), where the faulty line of a framework's model is; not
+    torch, shardproof, Python's own library (decorators' and context managers' wrappers) or code
+    made at run time (`<string>`: a dataclass's `__init__`)."""
+    if file.startswith(_TOOLS) or file.startswith("<"):
+        return False
+    return not file.startswith(_STDLIB) or file.startswith(_INSTALLED)
 
 
-def _anchor_code(code: CodeType) -> None:
-    _register_stack_trace_anchor(SimpleNamespace(__code__=code))
-    for inner in code.co_consts:
-        if isinstance(inner, CodeType):
-            _anchor_code(inner)
+@contextlib.contextmanager
+def every_user_frame() -> Iterator[None]:
+    """make_fx keeps only the frames of functions named `forward`; keep every frame of user code
+    (see `is_user_code`), so an op is located at the line that issued it, in a helper function,
+    a checkpoint loader or a library's model."""
+    original = PythonKeyTracer._filter_traceback_frames
+
+    def user_frames(self: PythonKeyTracer, summary: traceback.StackSummary) -> traceback.StackSummary:
+        return traceback.StackSummary.from_list([frame for frame in summary if is_user_code(frame.filename)])
+
+    PythonKeyTracer._filter_traceback_frames = user_frames
+    try:
+        yield
+    finally:
+        PythonKeyTracer._filter_traceback_frames = original
 
 
 @contextlib.contextmanager
@@ -94,7 +100,7 @@ def _user_code_below_engine(frame: FrameType | None) -> bool:
         name = frame.f_code.co_filename
         if frame.f_code.co_name == "_engine_run_backward" and name.startswith(_TORCH_DIR):
             return False
-        if not name.startswith(NOT_USER_CODE):
+        if is_user_code(name):
             return True
         frame = frame.f_back
     return False
@@ -126,7 +132,7 @@ def locator(gm: fx.GraphModule) -> Callable[[fx.Node], Location | None]:
 
 def user_frame(err: Exception) -> str:
     """The last frame of an exception's traceback in user code: where it was when it failed."""
-    frames = [f for f in traceback.extract_tb(err.__traceback__) if not f.filename.startswith(NOT_USER_CODE)]
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if is_user_code(f.filename)]
     if not frames:
         return ""
     last = frames[-1]
@@ -142,7 +148,7 @@ def locate(node: fx.Node) -> Location | None:
 @functools.lru_cache(maxsize=4096)
 def _innermost_user_frame(trace: str) -> Location | None:
     """Cached: the ops of one line share its stack trace (a loader's slices, 126 times over)."""
-    frames = [m for m in _FRAME.finditer(trace) if not m["file"].startswith(NOT_USER_CODE)]
+    frames = [m for m in _FRAME.finditer(trace) if is_user_code(m["file"])]
     if not frames:
         return None
     last = frames[-1]

@@ -24,7 +24,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from shardproof.capture.dispatch_trace import NotPlain, Traced, chain, record
-from shardproof.capture.locations import anchor_user_code, autograd_origins, locator, user_frame
+from shardproof.capture.locations import autograd_origins, every_user_frame, locator, user_frame
 from shardproof.capture.meshes import RealDeviceMeshes, distinct_meshes
 from shardproof.capture.symbolic_rank import symbolic_rank
 from shardproof.case import Case
@@ -34,19 +34,12 @@ from shardproof.ir.graph import BOUND_LEAF_PREFIX, Graph
 from shardproof.ir.rank_expr import RankExpr
 from shardproof.partition.module_calls import trace_with_memo
 from shardproof.partition.rank_classes import RankClass
+from shardproof.programs import Captured, Check
 from shardproof.report.progress import count
 from shardproof.state import module_state
-from shardproof.steps import Check, Program, Trained, agreed, program_for
+from shardproof.steps import Program, Trained, agreed, program_for
 
 aten = torch.ops.aten
-
-
-@dataclass
-class Captured:
-    reference: Graph
-    ranks: list[Graph]
-    checks: list[Check]
-    seconds: float
 
 
 RankTracer = Callable[[list[int]], Iterator[Graph]]
@@ -128,8 +121,6 @@ class _Session:
 
 @contextlib.contextmanager
 def _session(case: Case, world_size: int, mode: str) -> Iterator[_Session]:
-    if case.source is not None:
-        anchor_user_code(case.source_functions, case.source.parent)
     with _fake_tensor_errors_unlogged(), FakeTensorMode(allow_non_fake_inputs=True):
         with _process_group(0, world_size):
             ref_model, ref_state, on_meta = _reference(case, mode)
@@ -375,7 +366,7 @@ def _recorded(what: str, fn: Callable, leaves: list, restart: Callable[[], None]
 
 def _trace_fx(what: str, fn: Callable, leaves: list) -> fx.GraphModule:
     def run() -> fx.GraphModule:
-        with autograd_origins():
+        with autograd_origins(), every_user_frame():
             return make_fx(fn, decomposition_table=_DECOMPOSED, tracing_mode="real", record_stack_traces=True)(*leaves)
 
     return _failing_as_capture_error(f"tracing {what}", run)

@@ -10,9 +10,8 @@ from __future__ import annotations
 import torch
 
 from shardproof.ir.graph import Graph
-from shardproof.oracle import NumericResult
 from shardproof.ir.run import numeric_dtype, run_graph, run_ranks
-from shardproof.steps import Check
+from shardproof.programs import Check, NumericResult
 
 
 def random_leaves(reference: Graph, seed: int = 0) -> dict[str, torch.Tensor]:

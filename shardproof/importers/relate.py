@@ -19,9 +19,9 @@ from pathlib import Path
 from shardproof.errors import CaseError
 from shardproof.importers.constants import reduction_identities
 from shardproof.importers.graph_inputs import GraphInput, ImportedGraph
-from shardproof.importers.layouts import Layout, cut, plain_layout
 from shardproof.ir.build import GraphBuilder
 from shardproof.ir.graph import Graph, Location
+from shardproof.layouts import Layout, cut, plain_layout
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""`shardproof.verify_graphs`: import two programs' graph dumps, relate their inputs, prove, report.
+"""`shardproof.verify_graphs`: the graph-dump front end. Imports two programs' dumps and relates
+their inputs; the driver proves and reports.
 
 The input layouts are inferred (`relate.py`); the proof decides among the candidates: the most
 plausible assignment is proven first, and if it fails, each input's other candidates are tried
@@ -10,24 +11,20 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from shardproof.api import proof_report
-from shardproof.capture.torch_capture import Captured
-from shardproof.case import Output
-from shardproof.errors import CaseError, UnsupportedOp
-from shardproof.findings import confirmed
+from shardproof.driver import Candidate, verify_candidates
+from shardproof.errors import CaseError
 from shardproof.importers.graph_inputs import ImportedGraph
-from shardproof.importers.layouts import Layout
 from shardproof.importers.numeric import run_graphs
 from shardproof.importers.relate import Pairing, implied_world_size, pair_inputs, pin, rank_graph, with_values
 from shardproof.importers.sources import Program, load_program
 from shardproof.ir.graph import Graph
-from shardproof.prove import Proof, prove
+from shardproof.layouts import Layout
+from shardproof.programs import Captured, Check, Output
 from shardproof.report.model import Report
-from shardproof.steps import Check
 
 MAX_ATTEMPTS = 12  # proofs tried over candidate layouts before reporting the most plausible one
 
@@ -51,6 +48,29 @@ class ImportedPair:
         ranks = [_restricted(with_values(g, values), self.compared) for g in ranks]
         reference = with_values(self.reference.graphs[0].graph, values)
         return Captured(_restricted(reference, self.compared), ranks, self.checks, self.seconds)
+
+    def candidate(self, layouts: list[Layout]) -> Candidate:
+        """These input layouts as a reading for the driver, stating what it takes as given: input
+        layouts, process groups, the outputs compared; and the constants the dumps do not show,
+        which it leaves as unknown inputs (a discrepancy may then hold only for some of their values)."""
+        captured = self.captured(layouts)
+        reference = self.reference.graphs[0]
+        inputs = [p.describe(layout, reference) for p, layout in zip(self.pairs, layouts)]
+        inputs += [f"process group `{g}`: ranks {list(ranks)}" for g, ranks in sorted(self.distributed.groups.items())]
+        elided = _unrecorded(self.pairs, layouts)
+        return Candidate(
+            captured,
+            self.distributed.world_size,
+            lambda: run_graphs(captured.reference, captured.ranks, self.checks),
+            _elements(captured.reference),
+            unconfirmable="it may hold only for some values of the constants" if elided else "",
+            inputs=inputs,
+            outputs_compared=f"{len(self.compared)} of {len(reference.graph.outputs)}",
+            caveat=(
+                f"the dumps do not show the values of constants {', '.join(elided)} (taken as unknown inputs); "
+                f"if the programs need them, pin them with --relations, e.g. {{\"{elided[0]}\": {{\"value\": 0}}}}"
+            ) if elided else "",
+        )
 
 
 def import_pair(
@@ -80,50 +100,14 @@ def verify_graphs(
     progress: Callable[[str], None] = lambda _: None,
 ) -> Report:
     """Prove the distributed graphs compute what the reference graph does, or say where not."""
-    start = time.perf_counter()
-    progress("importing")
-    try:
+
+    def front_end() -> Iterator[Candidate]:
+        progress("importing")
         pair = import_pair(reference, distributed, format, relations)
-    except UnsupportedOp as err:
-        return Report("unknown", 0, time.perf_counter() - start, 0, 0, str(err), unknown={"op": err.op, "reason": str(err)})
-    first: tuple[Proof, Captured, list[Layout]] | None = None
-    for attempt, choice in enumerate(_assignments(pair.pairs)):
-        progress("proving" if attempt == 0 else f"proving with other input layouts (attempt {attempt + 1})")
-        captured = pair.captured(choice)
-        proof = prove(captured)
-        if first is None or proof.verdict == "equivalent":
-            first = (proof, captured, choice)
-        if proof.verdict == "equivalent":
-            break
-    proof, captured, choice = first
-    if proof.verdict == "discrepancy" and _unrecorded(pair.pairs, choice):
-        unsure = "(not confirmed: it may hold only for some values of the constants)"
-        proof.findings = [replace(f, verdict="unknown", message=f"{f.message} {unsure}") for f in proof.findings]
-    elif proof.verdict == "discrepancy":
-        progress("confirming the discrepancy on random inputs")
-        numbers = lambda: run_graphs(captured.reference, captured.ranks, pair.checks)  # noqa: E731
-        proof.findings = confirmed(numbers, proof.findings, _elements(captured.reference))
-    report = proof_report(proof, captured, pair.distributed.world_size, time.perf_counter() - start)
-    report.capture_seconds = pair.seconds
-    _state_assumptions(report, pair, choice)
-    return report
+        for layouts in _assignments(pair.pairs):
+            yield pair.candidate(layouts)
 
-
-def _state_assumptions(report: Report, pair: ImportedPair, layouts: list[Layout]) -> None:
-    """What the proof took as given: input layouts, process groups, outputs compared; and, when it
-    fails, the constants the dumps do not show that it may have needed."""
-    reference = pair.reference.graphs[0]
-    report.inputs = [p.describe(layout, reference) for p, layout in zip(pair.pairs, layouts)]
-    report.inputs += [f"process group `{g}`: ranks {list(ranks)}" for g, ranks in sorted(pair.distributed.groups.items())]
-    report.outputs_compared = f"{len(pair.compared)} of {len(reference.graph.outputs)}"
-    elided = _unrecorded(pair.pairs, layouts)
-    if report.verdict != "equivalent" and elided:
-        report.diagnosis += (
-            f"; note: the dumps do not show the values of constants {', '.join(elided)} (taken as unknown inputs); "
-            f"if the programs need them, pin them with --relations, e.g. {{\"{elided[0]}\": {{\"value\": 0}}}}"
-        )
-        if report.unknown is not None:
-            report.unknown["reason"] = report.diagnosis
+    return verify_candidates(front_end, progress=progress)
 
 
 def _unrecorded(pairs: list[Pairing], layouts: list[Layout]) -> list[str]:

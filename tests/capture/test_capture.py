@@ -60,9 +60,7 @@ def _token_ids() -> tuple:
 
 
 def _case(reference: Callable, distributed: Callable, inputs: Callable) -> Case:
-    """A case defined in this file, so source locations are kept for its frames."""
-    functions = [reference, distributed, inputs, TinyLM.forward, *_MODEL_FUNCTIONS]
-    return Case(reference, distributed, inputs, source=Path(THIS_FILE), source_functions=functions)
+    return Case(reference, distributed, inputs, source=Path(THIS_FILE))
 
 
 # --- running the IR ---------------------------------------------------------------------------
@@ -343,12 +341,6 @@ def _reduce_scatter_into_narrow_buffer(w: torch.Tensor, x: torch.Tensor) -> torc
     out = torch.empty(4, 6 // dist.get_world_size(), dtype=y.dtype)
     dist.reduce_scatter_tensor(out, y)
     return out
-
-
-_MODEL_FUNCTIONS = [Elementwise.forward, LabelLookups.forward, OneHotWrites.forward, _in_place_chain, _copy_into_zeros,
-                    _write_view_read_base, _write_base_read_view, _all_reduce_view_read_base, _padded, _erf_mse, _stacked,
-                    _indexed_by_a_tensor, _strided_slices, _tensor_exponent, _attention_and_top_values,
-                    _averaged_shard, _gather_into_wide_buffer, _reduce_scatter_into_narrow_buffer]
 
 
 def _elementwise_case(reference: Callable, distributed: Callable | None = None) -> Case:

@@ -1,11 +1,15 @@
-"""Source locations of backward ops: autograd's ops are placed at the forward line they differentiate."""
+"""Source locations: ops are placed at the line of user code that issued them, backward ops at the
+forward line they differentiate."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
+import numpy
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -13,6 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel, parallelize_module
 
+from shardproof.capture.locations import is_user_code
 from shardproof.capture.torch_capture import capture
 from shardproof.case import Case
 from shardproof.ir.graph import Graph
@@ -57,9 +62,7 @@ def _rank_graph(loss: Callable) -> Graph:
             value.backward()
         return value
 
-    functions = [Head.forward, _parallel_head, _inputs, loss, step]
-    case = Case(Head, _parallel_head, _inputs, loss=loss, distributed_step=step, mode="train",
-                source=Path(THIS_FILE), source_functions=functions)
+    case = Case(Head, _parallel_head, _inputs, loss=loss, distributed_step=step, mode="train", source=Path(THIS_FILE))
     return capture(case, 2, mode="train").ranks[0]
 
 
@@ -86,3 +89,48 @@ def test_a_backward_step_that_emits_no_op_is_kept_at_its_forward_line() -> None:
     steps = [n for n in rank.nodes if n.loc is not None and n.loc.line == _first_line(_entropy_bonus) and n.loc.backward]
     assert [n.op for n in steps] == ["view"]
     assert steps[0].shape == rank[steps[0].inputs[0]].shape
+
+
+# --- which frames are the user's ----------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _quietly() -> Iterator[None]:
+    yield
+
+
+@_quietly()  # a decorator made by contextlib: its wrapper frame is Python's, not the user's
+def _doubled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+class Helper(nn.Module):
+    """A model whose op is issued in a helper that is neither `forward` nor in the case's folder,
+    as a library's model issues most of its ops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _doubled(x * self.weight).sum()
+
+
+def _helper_sites(mode: str) -> set[tuple[str, int]]:
+    case = Case(Helper, lambda rank, world_size: Helper(), lambda: (torch.randn(4),), loss=lambda out, x: out)
+    graph = capture(case, 2, mode=mode).ranks[0]
+    return {(n.loc.file, n.loc.line) for n in graph.nodes if n.op == "mul" and n.loc is not None and not n.loc.backward}
+
+
+@pytest.mark.parametrize("mode", ["forward", "train"])  # the light tracer, make_fx
+def test_an_op_is_located_at_the_line_that_issued_it_in_any_function(mode: str) -> None:
+    helper_line = inspect.getsourcelines(_doubled)[1] + 2
+    assert (THIS_FILE, helper_line) in _helper_sites(mode)
+
+
+def test_user_code_is_every_library_but_torch_shardproof_and_python_itself() -> None:
+    assert is_user_code(THIS_FILE)
+    assert is_user_code(numpy.__file__)  # an installed library, as transformers or torchtitan are
+    assert not is_user_code(torch.nn.functional.__file__)
+    assert not is_user_code(contextlib.__file__)
+    assert not is_user_code("<string>")  # a dataclass's generated __init__

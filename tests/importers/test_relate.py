@@ -11,11 +11,11 @@ import torch
 
 from shardproof.errors import CaseError
 from shardproof.importers.graph_inputs import ImportedGraph
-from shardproof.importers.layouts import Layout
 from shardproof.importers.relate import implied_world_size, pair_inputs, pin, rank_graph, with_values
 from shardproof.ir.build import GraphBuilder
 from shardproof.ir.graph import Graph
 from shardproof.ir.run import run_graph
+from shardproof.layouts import Layout
 
 
 def program(inputs: dict[str, tuple[tuple[int, ...], str]], cuts: list[tuple[str, int, int, int]] = (), constants: dict = {}) -> ImportedGraph:

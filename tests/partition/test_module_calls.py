@@ -14,10 +14,11 @@ from torch import nn
 from torch.func import functional_call
 
 from shardproof import verify
-from shardproof.capture.torch_capture import Captured, capture
+from shardproof.capture.torch_capture import capture
 from shardproof.case import Case
 from shardproof.oracle import run_numeric
 from shardproof.partition.templates import expand
+from shardproof.programs import Captured
 from shardproof.relations.evaluate import evaluate
 from shardproof.relations.execute import execute
 from shardproof.state import module_state

@@ -30,7 +30,6 @@ def _one_row_off(ref_state: dict, rank: int, world_size: int) -> dict:
 def test_an_activation_shard_one_row_off_is_overlapping_shards_at_the_loader_line() -> None:
     case = load_case(MLP)
     case.shard_state = _one_row_off
-    case.source_functions.append(_one_row_off)
     report = verify(case, world_size=WORLD)
     assert not run_numeric(case, WORLD).agree
     assert report.verdict == "discrepancy", report.diagnosis

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from shardproof.importers.layouts import Layout, cut, plain_layout, take
 from shardproof.ir.build import GraphBuilder
 from shardproof.ir.graph import Graph
 from shardproof.ir.run import run_graph
+from shardproof.layouts import Layout, cut, plain_layout, take
 
 
 def test_shapes_alone_give_a_replica_or_a_plain_chunk_or_nothing() -> None:

@@ -1,0 +1,119 @@
+"""The one driver: prove a front end's programs, diagnose what fails, confirm it numerically, report.
+
+Every front end (a case file traced through PyTorch, HLO or FX graph dumps) turns its input into
+`Candidate`s and nothing more; what a verdict means, when a discrepancy stands and what the report
+says are decided here, once. A front end may offer several readings of its input (imported graphs:
+other input layouts), the most plausible first: they are proven in turn until one is proven
+equivalent, else the first one's result is reported.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterable
+
+from shardproof.errors import UnsupportedOp
+from shardproof.findings import combined, confirmed, failing_claims
+from shardproof.gc_tuning import fewer_collections
+from shardproof.ir.graph import Graph, Node
+from shardproof.partition.structure import structural
+from shardproof.programs import Captured, NumericResult
+from shardproof.prove import Proof, prove
+from shardproof.report.model import Report, Site
+
+
+@dataclass
+class Candidate:
+    """One reading of the input, ready to prove."""
+
+    captured: Captured
+    world_size: int
+    numbers: Callable[[], NumericResult]  # both sides run on random values, claim by claim
+    elements: int  # how large the numeric run is (past findings.NUMERIC_CHECK_LIMIT it is not run)
+    unconfirmable: str = ""  # why no discrepancy of this reading can be confirmed: it then stays unknown
+    inputs: list[str] = field(default_factory=list)  # the input relations this reading assumes
+    outputs_compared: str | None = None  # "3 of 5" when only some outputs are claims
+    caveat: str = ""  # what the proof could not see, added to a diagnosis
+
+
+def verify_candidates(
+    front_end: Callable[[], Iterable[Candidate]], world_size: int = 0, progress: Callable[[str], None] = lambda _: None
+) -> Report:
+    """Prove the front end's candidates in turn; confirm a discrepancy; report. `world_size`
+    is reported when the front end stops at an op without rules before offering a candidate."""
+    start = time.perf_counter()
+    with fewer_collections():
+        try:
+            proof, chosen = _first_proven(front_end(), progress)
+        except UnsupportedOp as err:
+            return Report("unknown", world_size, time.perf_counter() - start, 0, 0, str(err), unknown={"op": err.op, "reason": str(err)})
+        if proof.verdict == "discrepancy":
+            proof.findings = _confirmed(proof, chosen, progress)
+        return _report(proof, chosen, time.perf_counter() - start)
+
+
+def _first_proven(candidates: Iterable[Candidate], progress: Callable[[str], None]) -> tuple[Proof, Candidate]:
+    first: tuple[Proof, Candidate] | None = None
+    for attempt, candidate in enumerate(candidates):
+        progress("proving" if attempt == 0 else f"proving with other input relations (attempt {attempt + 1})")
+        proof = prove(candidate.captured, progress)
+        if first is None or proof.verdict == "equivalent":
+            first = (proof, candidate)
+        if proof.verdict == "equivalent":
+            break
+    if first is None:
+        raise ValueError("the front end offered no program to prove")
+    return first
+
+
+def _confirmed(proof: Proof, candidate: Candidate, progress: Callable[[str], None]) -> list:
+    if candidate.unconfirmable:
+        unsure = f"(not confirmed: {candidate.unconfirmable})"
+        return [replace(f, verdict="unknown", message=f"{f.message} {unsure}") for f in proof.findings]
+    progress("confirming the discrepancy on random values")
+    return confirmed(candidate.numbers, proof.findings, candidate.elements)
+
+
+def _report(proof: Proof, candidate: Candidate, seconds: float) -> Report:
+    """Verdict, figures, the sites a finding names, and what the proof assumed."""
+    captured = candidate.captured
+    report = Report(
+        proof.verdict,
+        candidate.world_size,
+        seconds,
+        captured.reference.op_count(),
+        sum(structural(g, "op count", Graph.op_count) for g in captured.ranks),
+        capture_seconds=captured.seconds,
+        terms=proof.terms,
+        notes=proof.notes,
+        calls_proven=proof.calls.proven if proof.calls else 0,
+        calls_reused=proof.calls.reused if proof.calls else 0,
+        inputs=candidate.inputs,
+        outputs_compared=candidate.outputs_compared,
+    )
+    if proof.findings:
+        finding = combined(proof.findings, proof.unchecked)
+        report.claims = failing_claims(proof.findings)
+        report.diagnosis = finding.message + (f"; note: {candidate.caveat}" if candidate.caveat else "")
+        report.distributed = _unique([_site(node, rank) for rank, node in finding.distributed])
+        report.reference = _unique([_site(node, None) for node in finding.reference])
+        if finding.verdict == "unknown":
+            report.unknown = {"op": finding.op or "", "reason": report.diagnosis}
+    return report
+
+
+def _site(node: Node, rank: int | None) -> Site:
+    loc = node.loc
+    op = f"{node.op} in the backward" if loc and loc.backward else node.op
+    return Site(loc.file if loc else "?", loc.line if loc else 0, loc.code if loc else node.name, op, rank, node.name)
+
+
+def _unique(sites: list[Site]) -> list[Site]:
+    seen, out = set(), []
+    for site in sites:
+        key = (site.file, site.line, site.rank)
+        if key not in seen:
+            seen.add(key)
+            out.append(site)
+    return out

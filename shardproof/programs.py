@@ -1,0 +1,62 @@
+"""What every front end (PyTorch capture, HLO and FX dumps) hands the driver: the reference's
+and each rank's graph over the same leaves, the claims to prove between them, and the shape of the
+numbers that confirm a failing claim. Plain data over the IR, so that the prover and the driver
+never import a front end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shardproof.ir.graph import Graph
+
+Output = tuple[str, ...] | tuple[str, int]  # ("replicate",) or ("shard", dim): a rank output against the reference's
+
+
+@dataclass(frozen=True)
+class Check:
+    """One claim, proven on every rank: a rank output equals an expected value.
+
+    `relation` is an Output layout (expected = reference output `expected`), "loss" (reference
+    output `expected`, replicated or as a mean over ranks) or "rank" (expected = this rank's own
+    output `expected`, which the rank computed from bound reference outputs)."""
+
+    label: str
+    actual: int
+    expected: int
+    relation: Output | str
+
+
+@dataclass
+class Captured:
+    """The programs to prove: the reference graph, one graph per rank, the claims between them,
+    and the seconds the front end took to produce them."""
+
+    reference: Graph
+    ranks: list[Graph]
+    checks: list[Check]
+    seconds: float
+
+
+@dataclass
+class NumericResult:
+    """The verdict of one numeric run; `detail` names the worst rank so a failure can be found.
+
+    `differing` says, claim by claim (Check labels), which claims the numbers refute: a finding
+    about one claim is confirmed by that claim's numbers, not by another's. A run that could not be
+    compared claim by claim (a hang, ranks claiming different parameters) leaves it empty while
+    disagreeing: it refutes the programs as a whole."""
+
+    agree: bool
+    max_abs_error: float
+    max_rel_error: float  # relative to max |reference|
+    detail: str  # human-readable, e.g. "rank 1 differs by 3.2e-1"
+    differing: dict[str, str] = field(default_factory=dict)  # claim label -> where it differs most
+
+    def differs(self, claim: str | None) -> str | None:
+        """Where the numbers refute `claim` (None: the programs as a whole), or None if they do not."""
+        if self.agree:
+            return None
+        if claim is None or not self.differing:
+            return self.detail
+        return self.differing.get(claim)
