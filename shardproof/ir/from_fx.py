@@ -7,14 +7,17 @@ a hand lowering declines (`Declined`: a strided slice, a tensor exponent), is br
 ops by torch's own decompositions where torch has one (`ir/decompose.py`), else kept whole as an
 open op under its own name (`ir/aten_ops.py`): nothing a program can run is refused.
 
-The graph is not functionalized (functionalize rejects DTensor's autograd.Functions). make_fx
-already routes every later read of a mutated tensor through the mutating node, so an in-place op
-lowers as its out-of-place meaning. The IR has no aliasing, though: a write into a tensor whose
-storage is also read later through an older node (its base, another view) raises UnsupportedOp.
+The graph is not functionalized by torch (functionalize rejects DTensor's autograd.Functions);
+the lowering does it. make_fx routes every later read of a written tensor through the writing
+node, so an in-place op lowers as its out-of-place meaning; a write into memory that older nodes
+still read (its base, other views: `out[..., a:b] = shard`, an all-reduce of a flat view of a
+gradient) is scattered back into the memory's root and those views are read again from it
+(`Lowerer.written_back`, the alias structure in `ir/aliasing.py`).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from dataclasses import dataclass
@@ -23,10 +26,10 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from shardproof.errors import UnsupportedOp
 from shardproof.ir import aten_ops
+from shardproof.ir.aliasing import IDENTITY, PART, Step, Views, written_by_collective
 from shardproof.ir.decompose import decomposed_graph, decomposition_of
 from shardproof.ir.graph import Graph, Location
 from shardproof.ir.rank_expr import RankExpr, mentions_rank
@@ -56,9 +59,6 @@ class Lowerer:
         self.env: dict[fx.Node, Value] = {}
         self.current: fx.Node | None = None
         self._scalars: dict[tuple, int] = {}
-        self._order = {node: i for i, node in enumerate(gm.graph.nodes)}
-        self._sharing = _nodes_by_storage(gm.graph)
-        self._live = _live_nodes(gm.graph)
         self._silent: dict[tuple[str, int], tuple[Location, int]] = {}  # backward lines whose ops emitted nothing
         self.site: fx.Node | None = None  # the node whose decomposition is being lowered: its line is every piece's
         self._decomposing: list[Any] = []  # targets being decomposed (a decomposition may call its own op)
@@ -163,16 +163,13 @@ class Lowerer:
         key = _aten_key(node.target)
         written = _written(node)
         lowerings = self.lowerings(key) or (self.lowerings(key.removesuffix("_")) if written else [])
-        reshapes = self.aliases_read_later(node, key, written) if written and not _only_metadata(node) else []
         kwargs = {k: v for k, v in node.kwargs.items() if v not in written}  # out= holds a result, not an operand
         before = len(self.graph.nodes)
         result = next((r for r in (self.lowered(node, lower, kwargs) for lower in lowerings) if r is not _DECLINED), _DECLINED)
         if result is _DECLINED:
             result = self.open_op(node, key, kwargs)
-        if reshapes and not isinstance(result, int):
-            raise UnsupportedOp(f"in-place {key} on aliased memory", _at(self.location(node)))
-        for alias in reshapes:  # later reads of a whole reshape of the written tensor see the write
-            self.env[alias] = _as_buffer(self, result, tuple(alias.meta["val"].shape))
+        if written and not _only_metadata(node):
+            self.written_back(node, key, written, result)
         if len(self.graph.nodes) == before and isinstance(result, int):
             here = self.location(node)
             if here is not None and here.backward:
@@ -213,11 +210,14 @@ class Lowerer:
         return self.aten_call(node, target, kwargs)
 
     def aten_call(self, node: fx.Node, target: Any, kwargs: dict[str, Any]) -> Value:
-        """One IR node per tensor output: op `aten.<name>.<overload>`, attrs the argument template
-        and the output's path. A pointwise op's operands are broadcast first, as ours are."""
+        return self.open_call(target, self.values(node.args), {k: self.values(v) for k, v in kwargs.items()}, node.meta.get("val"))
+
+    def open_call(self, target: Any, args: Any, kwargs: dict[str, Any], out: Any) -> Value:
+        """One IR node per tensor of `out`: op `aten.<name>.<overload>`, attrs the argument template
+        (`args` and `kwargs` hold `_TensorValue`s where tensors go) and the output's path. A
+        pointwise op's operands are broadcast first, as ours are."""
         operands: list[int] = []
         pointwise = torch.Tag.pointwise in target.tags
-        out = node.meta.get("val")
         out_shape = tuple(out.shape) if pointwise and isinstance(out, torch.Tensor) else None
 
         def operand(value: Any) -> int | None:
@@ -227,11 +227,11 @@ class Lowerer:
             operands.append(tensor)
             return len(operands) - 1
 
-        args = aten_ops.template(self.values(node.args), operand)
-        named = tuple(sorted((k, aten_ops.template(self.values(v), operand)) for k, v in kwargs.items()))
+        template = aten_ops.template(args, operand)
+        named = tuple(sorted((k, aten_ops.template(v, operand)) for k, v in kwargs.items()))
         name = aten_ops.name_of(target)
         return self.outputs(out, lambda path, val: self.emit(
-            name, tuple(operands), (args, named, path), tuple(val.shape), _dtype_name(val.dtype)))
+            name, tuple(operands), (template, named, path), tuple(val.shape), _dtype_name(val.dtype)))
 
     def values(self, arg: Any) -> Any:
         """An argument with graph nodes replaced by what they hold: tensors as `_TensorValue`s,
@@ -286,31 +286,87 @@ class Lowerer:
                 shape = self.shape(value)
                 self.graph.add("view", (value,), (shape,), shape, self.dtype(value), "backward_step", loc)
 
-    def aliases_read_later(self, node: fx.Node, key: str, written: list[fx.Node]) -> list[fx.Node]:
-        """After a write, older nodes sharing the storage that are read again. A whole reshape of
-        the written tensor (same contiguous memory: Megatron's `grad_2d = grad.view(-1, v)`) is
-        returned, to be re-bound to the new value; any other alias would see stale data."""
-        here = self._order[node]
-        reshapes = []
-        for target in written:
-            storage = _storage(target)
-            for alias in self._sharing.get(storage, []) if storage is not None else []:
-                if self._order[alias] >= here:
-                    continue
-                stale = [user for user in alias.users if self._order[user] > here and user in self._live]
-                if not stale:
-                    continue
-                if len(written) == 1 and _whole_reshape(alias, target):
-                    reshapes.append(alias)
-                    continue
-                read = _at(self.locate(stale[0])) or ("the output" if stale[0].op == "output" else stale[0].name)
-                raise UnsupportedOp(
-                    f"in-place {key} on aliased memory",
-                    f"{_at(self.locate(node))} (`{alias.name}` shares that memory and is read again at "
-                    f"{read}; shardproof's IR has no aliasing: write out of place instead)",
-                )
-        return reshapes
+    # --- writes into shared memory, made functional (ir/aliasing.py) ----------------------------
+    @functools.cached_property
+    def views(self) -> Views:
+        return Views(self.gm.graph)
 
+    def written_back(self, node: fx.Node, key: str, written: list[fx.Node], result: Value) -> None:
+        """After `node` wrote `written`, the values sharing their memory that are read later see the
+        write: each new value is scattered back into the memory's root through the chain of views
+        that made it, and the root's older views read later are recomputed from the new root."""
+        views = self.views
+        here = views.order[node]
+        roots = [views.chain(target)[-1] for target in written]
+        if not any(self._read_later(views, member, here) for root in roots for member in views.family(root)):
+            return
+        new_values = _written_values(result, len(written))
+        if new_values is None:
+            raise UnsupportedOp(f"in-place {key} on aliased memory", _at(self.location(node)))
+        for target, value in zip(written, new_values):
+            self._propagate(views, target, value, here)
+
+    def _read_later(self, views: Views, member: fx.Node, here: int) -> bool:
+        return views.order[member] < here and any(views.order[user] > here for user in member.users)
+
+    def _propagate(self, views: Views, target: fx.Node, value: int, here: int) -> None:
+        chain = views.chain(target)
+        values = {target: value}
+        for child, source in zip(chain, chain[1:]):
+            values[source] = self._unviewed(views.steps[child], child, self.env[source], values[child])
+        family = [m for m in views.family(chain[-1]) if views.order[m] < here]
+        needed: set[fx.Node] = set()
+        for member in reversed(family):  # a member is needed if read later or viewed by one that is
+            if self._read_later(views, member, here) or any(c in needed for c in views.children.get(member, [])):
+                needed.add(member)
+        relowered: set[fx.Node] = set()
+        for member in family:
+            if member in needed:
+                self.env[member] = values[member] if member in values else self._replayed(views.steps[member], member, relowered)
+
+    def _replayed(self, step: Step, member: fx.Node, relowered: set[fx.Node]) -> Value:
+        """`member`'s value read again out of its (new) source."""
+        if step.how == IDENTITY:
+            return self.env[step.source]
+        outer = self.current
+        try:
+            if step.how == PART:
+                container = member.args[0]
+                if container not in relowered:
+                    self.current = container
+                    self.env[container] = self.call(container)
+                    relowered.add(container)
+                return self.env[container][step.index]
+            self.current = member
+            return self.call(member)
+        finally:
+            self.current = outer
+
+    def _unviewed(self, step: Step, child: fx.Node, source: int, new: int) -> int:
+        """The source's value once `child`, a view of it, holds `new`: the inverse of the view op
+        (a reshape back, the inverse permutation) or a write of `new` into the region it reads."""
+        if step.how == IDENTITY:
+            return new
+        source_val, child_val = step.source.meta["val"], child.meta["val"]
+        if step.how == PART:
+            return _into_part(self, source, new, source_val, child_val, child.args[0])
+        name = child.target._schema.name.removeprefix("aten::")
+        args = list(child.args[1:]) + list(child.kwargs.values())
+        if name in _RESHAPES:
+            return _as_buffer(self, new, tuple(source_val.shape))
+        if name in ("permute", "transpose", "t", "numpy_T", "mT", "swapaxes"):
+            perm = _permutation(name, args, len(source_val.shape))
+            return self.emit("permute", (new,), (tuple(perm.index(d) for d in range(len(perm))),), tuple(source_val.shape), self.dtype(new))
+        if name in ("slice", "narrow", "select"):
+            dim, start, end, step_size = _region(name, args, tuple(source_val.shape))
+            if step_size == 1:
+                piece = _as_buffer(self, new, tuple(child_val.shape[:dim]) + (end - start,) + tuple(source_val.shape[dim + 1 :]))
+                return _written_over(self, source, piece, dim, start, end, 1)
+        scatter = getattr(torch.ops.aten, f"{name}_scatter", None)
+        if scatter is None or name == "expand":
+            raise UnsupportedOp(f"a write through `{name}`", _at(self.location(self.current)))
+        values = (_TensorValue(source), _TensorValue(new), *self.values(tuple(child.args[1:])))
+        return self.open_call(scatter.default, values, {}, source_val)
 
 class Declined(Exception):
     """A hand lowering that does not cover this call's arguments (a strided slice, a tensor
@@ -376,57 +432,78 @@ def _at(loc: Location | None) -> str:
     return f"{loc.short()}  {loc.code}" if loc else ""
 
 
-def _storage(node: fx.Node) -> StorageWeakRef | None:
-    """The storage a node's value lives in: fake tensors keep real aliasing (views share it)."""
-    val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor):
-        return None
-    return StorageWeakRef(val.untyped_storage())
-
-
-def _whole_reshape(a: fx.Node, b: fx.Node) -> bool:
-    """Both values are the same contiguous memory from its start, read in (possibly) other shapes."""
-    x, y = a.meta.get("val"), b.meta.get("val")
-    return all(
-        isinstance(t, torch.Tensor) and t.is_contiguous() and t.storage_offset() == 0 for t in (x, y)
-    ) and x.numel() == y.numel() and x.dtype == y.dtype
-
-
-def _nodes_by_storage(graph: fx.Graph) -> dict[StorageWeakRef, list[fx.Node]]:
-    sharing: dict[StorageWeakRef, list[fx.Node]] = {}
-    for node in graph.nodes:
-        storage = _storage(node)
-        if storage is not None:
-            sharing.setdefault(storage, []).append(node)
-    return sharing
-
-
-def _live_nodes(graph: fx.Graph) -> set[fx.Node]:
-    """The nodes whose value reaches the output. make_fx leaves dead re-views of a mutated tensor
-    behind; a read that nothing uses cannot see stale data."""
-    live: set[fx.Node] = set()
-    stack = [n for n in graph.nodes if n.op == "output"]
-    while stack:
-        node = stack.pop()
-        if node not in live:
-            live.add(node)
-            stack.extend(node.all_input_nodes)
-    return live
-
-
 def _written(node: fx.Node) -> list[fx.Node]:
     """The graph values an op writes into: `Tensor(a!)` arguments; for c10d collectives the first."""
     schema = getattr(node.target, "_schema", None)
     if schema is None:
         return []
-    if schema.name.startswith("c10d::") and schema.name.endswith("_"):
-        return _nodes_in(node.args[0])
+    by_collective = written_by_collective(node)
+    if by_collective is not None:
+        return _nodes_in(by_collective)
     written = []
     for i, arg in enumerate(schema.arguments):
         if arg.alias_info is not None and arg.alias_info.is_write:
             value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
             written.extend(_nodes_in(value))
     return written
+
+
+def _written_values(result: Value, count: int) -> list[int] | None:
+    """The new values of the tensors an op wrote, from what its lowering returned: the value (an
+    in-place op), or the list first in the result (an in-place collective's (tensors, work))."""
+    if isinstance(result, int) and count == 1:
+        return [result]
+    if isinstance(result, tuple) and result and isinstance(result[0], (list, tuple)) and len(result[0]) == count:
+        return list(result[0]) if all(isinstance(v, int) for v in result[0]) else None
+    return None
+
+
+# View ops that read their input's elements in row-major order, only shaped anew.
+_RESHAPES = {"view", "_reshape_alias", "reshape", "unsqueeze", "squeeze", "flatten", "unflatten", "view_as", "_unsafe_view"}
+
+
+def _permutation(name: str, args: list, rank: int) -> list[int]:
+    """The dims of the source a permuting view's dims are, in order."""
+    if name == "permute":
+        return [_dim(d, rank) for d in args[0]]
+    perm = list(range(rank))
+    if name in ("transpose", "swapaxes"):
+        d0, d1 = (_dim(d, rank) for d in args[:2])
+    else:  # t, numpy_T, mT: the last two (t of a 1-d tensor: itself)
+        d0, d1 = (rank - 2, rank - 1) if rank >= 2 else (0, 0)
+        if name == "numpy_T":
+            return list(reversed(perm))
+    perm[d0], perm[d1] = perm[d1], perm[d0]
+    return perm
+
+
+def _region(name: str, args: list, shape: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """(dim, start, end, step) of the source a slice, narrow or select reads."""
+    dim = _dim(args[0] if args else 0, len(shape))
+    if name == "select":
+        index = args[1] + shape[dim] if args[1] < 0 else args[1]
+        return dim, index, index + 1, 1
+    if name == "narrow":
+        return dim, args[1], args[1] + args[2], 1
+    padded = list(args) + [None] * (4 - len(args))
+    start, end = _slice_range(shape[dim], padded[1], padded[2], padded[3] or 1)
+    return dim, start, end, padded[3] or 1
+
+
+def _into_part(lo: Lowerer, source: int, new: int, source_val: torch.Tensor, part_val: torch.Tensor, container: fx.Node) -> int:
+    """`source` with one part of its split (or unbind) replaced by `new`: where the part lies is
+    read off the memory offsets the fake tensors keep."""
+    source_shape, part_shape = tuple(source_val.shape), tuple(part_val.shape)
+    offset = part_val.storage_offset() - source_val.storage_offset()
+    if len(part_shape) < len(source_shape):  # unbind: one index of its dim
+        dim = _dim(container.args[1] if len(container.args) > 1 else 0, len(source_shape))
+        part_shape = part_shape[:dim] + (1,) + part_shape[dim:]
+        length = 1
+    else:
+        dim = next((d for d, (a, b) in enumerate(zip(source_shape, part_shape)) if a != b), 0)
+        length = part_shape[dim]
+    start = offset // source_val.stride()[dim] if source_val.stride()[dim] else 0
+    return _written_over(lo, source, _as_buffer(lo, new, part_shape), dim, start, start + length, 1)
 
 
 def _only_metadata(node: fx.Node) -> bool:
@@ -590,7 +667,7 @@ def _written_over(lo: Lowerer, base: int, src: int, dim: int, start: int | None,
     before = [slice_value(lo, base, dim, 0, start)] if start > 0 else []  # no empty slices: nothing reads them
     after = [slice_value(lo, base, dim, end, shape[dim])] if end < shape[dim] else []
     parts = [*before, src, *after]
-    return parts[0] if len(parts) == 1 else lo.emit("cat", tuple(parts), (dim,))
+    return parts[0] if len(parts) == 1 else lo.emit("cat", tuple(parts), (dim,), shape, lo.dtype(base))
 
 
 def _zeros(lo: Lowerer, shape: list[int], like: int) -> int:
