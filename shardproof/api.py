@@ -12,9 +12,11 @@ import torch
 from shardproof.capture.torch_capture import capture
 from shardproof.case import Case, load_case, normalize_output
 from shardproof.driver import Candidate, verify_candidates
+from shardproof.errors import CaseError
 from shardproof.ir.graph import Graph
 from shardproof.oracle import run_numeric
 from shardproof.partition.backends import placement
+from shardproof.programs import Captured
 from shardproof.report.model import Report
 
 
@@ -52,22 +54,43 @@ def verify(
     if case is None:
         if reference is None or distributed is None or inputs is None:
             raise TypeError("verify() needs a case file, or reference=, distributed= and inputs=")
-        case = Case(reference, distributed, inputs, world_size or 2, shard_state, shard_input, normalize_output(output),
+        case = Case(reference, distributed, inputs, 2 if world_size is None else world_size, shard_state, shard_input, normalize_output(output),
                     loss, distributed_step, optimizer)
     elif not isinstance(case, Case):
         case = load_case(case)
     if preset is not None:
         case.use_preset(preset)
-    n = world_size or case.world_size
+    n = case.world_size if world_size is None else world_size
+    if not isinstance(n, int) or n < 1:
+        raise CaseError(f"the world size must be a whole number of ranks, at least 1; got {n!r}")
     mode = case.resolve_mode(train, step)
 
     def front_end() -> Iterator[Candidate]:
         captured = capture(case, n, progress, mode, memo, placement(backend, case, n, memo, ray_address))
         numbers = functools.partial(run_numeric, case, n, mode=mode)
-        yield Candidate(captured, n, numbers, _state_elements(captured.reference))
+        yield Candidate(captured, n, numbers, _state_elements(captured.reference), caveat=_indivisible(captured, n))
 
     return verify_candidates(front_end, n, progress)
 
 
 def _state_elements(reference: Graph) -> int:
     return sum(math.prod(n.shape) for n in reference.nodes if n.op == "leaf")
+
+
+def _indivisible(captured: Captured, world_size: int) -> str:
+    """The reference state sizes a rank's loader cuts into `world_size` shares although the world
+    size does not divide them (16 rows, 3 ranks: 5 each, one row lost), with the loader's line: when
+    the proof fails, the likelier fix is another world size than the code the diagnosis points at."""
+    graph = captured.ranks[0]
+    found: dict[str, None] = {}
+    for node in graph.nodes:
+        source = graph[node.inputs[0]] if node.op == "slice" else None
+        if source is None or source.op != "leaf" or not str(source.attrs[0]).startswith("state:"):
+            continue
+        dim, lo, hi = node.attrs[:3]
+        full = source.shape[dim]
+        if isinstance(lo, int) and isinstance(hi, int) and full % world_size and hi - lo in (full // world_size, -(-full // world_size)):
+            where = f" at {node.loc.short()}" if node.loc else ""
+            found[f"size {full} of `{source.attrs[0].split(':', 1)[1]}` (dim {dim}) is not divisible by world size "
+                  f"{world_size}: each rank takes {hi - lo}{where}"] = None
+    return "; ".join(found)

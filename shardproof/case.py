@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from shardproof.errors import CaseError
+from shardproof.paths import case_file
 from shardproof.programs import Output
 
 MODES = ("forward", "train", "step")  # what is proven: outputs; loss and gradients; also the updated parameters
@@ -67,9 +68,7 @@ def normalize_output(output: Any) -> Output:
 
 def load_case(path: str | Path) -> Case:
     """Import a case file and check its contract, turning every failure into a CaseError."""
-    path = Path(path)
-    if not path.is_file():
-        raise CaseError(f"case file not found: {path}")
+    path = case_file(path)
     module = _import_file(path)
     missing = [name for name in ("reference", "distributed", "inputs") if not callable(getattr(module, name, None))]
     if missing:

@@ -9,6 +9,10 @@ class CaseError(ShardproofError):
     """The case file is missing, malformed or breaks the contract."""
 
 
+class UsageError(ShardproofError):
+    """A command-line argument that cannot be used (an output file that cannot be written)."""
+
+
 class CaptureError(ShardproofError):
     """A model or shard function could not be traced."""
 

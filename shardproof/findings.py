@@ -24,20 +24,30 @@ def confirmed(numeric: Callable[[], NumericResult], findings: list[Finding], ele
     Structural faults (a partial sum used unreduced, pieces that overlap, a term counted twice)
     differ for almost all weights; a wrong-layout finding could also be a missing rule, so it
     stands only if the numbers differ. If no finding stands, the lead one turns `unknown` and says
-    why. Ranks that issue different collectives need no numbers: a real run would hang or mix tensors."""
+    why. Ranks that issue different collectives need no numbers: a real run would hang or mix tensors.
+    A model too large to run, or whose numeric run fails, keeps its structural faults only."""
     lead = findings[0]
     if lead.kind == "mismatched collectives":
         return findings
     if elements > NUMERIC_CHECK_LIMIT:
-        unconfirmed = "not confirmed numerically: model too large to run"
-        structural = [f" [{unconfirmed}]" if f.kind != "wrong layout" else None for f in findings]
-        return _standing(findings, structural, f"{lead.message} ({unconfirmed})")
-    numbers = numeric()
+        return _structural(findings, "model too large to run")
+    try:
+        numbers = numeric()
+    except Exception as err:  # noqa: BLE001 - a run that fails confirms nothing, and is no discrepancy itself
+        first_line = (str(err).strip().splitlines() or [""])[0]
+        return _structural(findings, f"the numeric run failed: {type(err).__name__}: {first_line}")
     refuted = [numbers.differs(f.claim) for f in findings]
     evidence = [None if where is None else f" [confirmed numerically: {where}]" for where in refuted]
     reason = "the programs agree numerically on random weights" if numbers.agree else \
         f"{lead.claim} agrees numerically on random weights (the numbers differ only in {', '.join(numbers.differing)})"
     return _standing(findings, evidence, f"proof incomplete ({lead.message}); {reason}, so a rewrite rule is probably missing")
+
+
+def _structural(findings: list[Finding], why: str) -> list[Finding]:
+    """Without numbers, only structural faults stand; a wrong layout could be a missing rule."""
+    unconfirmed = f"not confirmed numerically: {why}"
+    evidence = [f" [{unconfirmed}]" if f.kind != "wrong layout" else None for f in findings]
+    return _standing(findings, evidence, f"{findings[0].message} ({unconfirmed})")
 
 
 def _standing(findings: list[Finding], evidence: list[str | None], otherwise: str) -> list[Finding]:

@@ -73,9 +73,12 @@ def _infer_shard(
         return _dtensor_local(full, held, rank)
     layout = plain_layout(tuple(full.shape), tuple(held.shape), world_size)
     if layout is None:
+        indivisible = [f"{f} (dim {d})" for d, (f, h) in enumerate(zip(full.shape, held.shape)) if f != h and f % world_size]
+        why = f": {', '.join(indivisible)} is not divisible by world size {world_size}" if indivisible else ""
         raise CaseError(
             f"cannot infer how `{name}` {tuple(held.shape)} is cut from the reference {tuple(full.shape)} "
-            f"at world size {world_size}. Define shard_state(ref_state, rank, world_size) in the case file."
+            f"at world size {world_size}{why}. Use a world size that divides it, or define "
+            "shard_state(ref_state, rank, world_size) in the case file."
         )
     return take(full, layout, rank, world_size)
 

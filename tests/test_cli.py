@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
 import textwrap
+from importlib import metadata
 from pathlib import Path
 
 import pytest
 
+from shardproof import verify
 from shardproof.cli import main
+from shardproof.errors import CaseError
 
 CASES = Path(__file__).parent / "cases"
 MLP = '''
@@ -36,6 +41,14 @@ def shard_state(ref, rank, n):
 def inputs():
     return (torch.randn(2, 8),)
 '''
+
+REDUCED = MLP.replace("return self.down(torch.relu(self.up(x)))",
+                      "y = self.down(torch.relu(self.up(x)))\n        if dist.is_initialized():\n            dist.all_reduce(y)\n        return y")
+
+
+def _line_of(text: str, start: str) -> int:
+    """The number of the case file's line that starts (after indentation) with `start`."""
+    return next(i for i, line in enumerate(textwrap.dedent(text).splitlines(), 1) if line.strip().startswith(start))
 
 
 def _case(tmp_path: Path, text: str) -> str:
@@ -72,8 +85,7 @@ def test_missing_all_reduce_in_a_new_case_is_found(tmp_path: Path, capsys) -> No
 
 
 def test_the_same_case_with_its_all_reduce_is_proven(tmp_path: Path) -> None:
-    fixed = MLP.replace("return self.down(torch.relu(self.up(x)))", "y = self.down(torch.relu(self.up(x)))\n        if dist.is_initialized():\n            dist.all_reduce(y)\n        return y")
-    assert main(["verify", _case(tmp_path, fixed), "--quiet", "--world-size", "4"]) == 0
+    assert main(["verify", _case(tmp_path, REDUCED), "--quiet", "--world-size", "4"]) == 0
 
 
 @pytest.mark.parametrize(
@@ -83,8 +95,17 @@ def test_the_same_case_with_its_all_reduce_is_proven(tmp_path: Path) -> None:
         ("import torch\ndef reference(): return torch.nn.Linear(2, 2)\n", "missing required function"),
         (MLP.replace("return (torch.randn(2, 8),)", "return (torch.randn(2, 9),)"), "tracing the reference model failed"),
         (MLP.replace("return MLP(ffn=16 // world_size)", "raise RuntimeError('no such layer')"), "no such layer"),
+        (MLP.replace("return MLP(ffn=16 // world_size)", "MLP(ffn=16 // world_size)"),
+         "distributed(0, 2) returned None; it must return the model"),
+        (MLP.replace("return (torch.randn(2, 8),)", "return torch.randn(2, 8)"), "inputs() returned a tensor; it must return a tuple"),
+        (MLP.replace("return self.down(torch.relu(self.up(x)))", "return self.down(torch.relu(self.up(x))) / x.abs().max().item()"),
+         f"case.py:{_line_of(MLP, 'return self.down')}  return self.down(torch.relu(self.up(x))) / x.abs().max().item()\n"
+         "  what to do: the model reads a tensor's value"),
+        (MLP.replace("return self.down(torch.relu(self.up(x)))", "if x.sum() > 0:\n            x = -x\n        return self.down(x)"),
+         f"case.py:{_line_of(MLP, 'return self.down')}  if x.sum() > 0:\n  what to do: the model reads a tensor's value"),
     ],
-    ids=["syntax-error", "missing-function", "shape-mismatch", "model-raises"],
+    ids=["syntax-error", "missing-function", "shape-mismatch", "model-raises", "no-model", "inputs-not-a-tuple", "item",
+         "data-dependent-if"],
 )
 def test_unusable_input_exits_2_with_a_message(tmp_path: Path, capsys, caplog, text: str, message: str) -> None:
     assert main(["verify", _case(tmp_path, text), "--quiet"]) == 2
@@ -106,3 +127,82 @@ def test_an_op_without_a_layout_law_on_shards_exits_2_naming_it(tmp_path: Path, 
     text = MLP.replace("return self.down(torch.relu(self.up(x)))", sorted_hidden)
     assert main(["verify", _case(tmp_path, text), "--quiet"]) == 2
     assert "aten.sort" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("world_size", ["0", "-2", "two"])
+def test_a_world_size_that_is_no_positive_number_is_refused(world_size: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exit:
+        main(["verify", str(CASES / "row-bias-before-reduce_fixed.py"), "--world-size", world_size])
+    assert exit.value.code == 2 and "--world-size" in capsys.readouterr().err
+
+
+def test_the_api_refuses_a_world_size_of_zero() -> None:
+    with pytest.raises(CaseError, match="at least 1"):
+        verify(CASES / "row-bias-before-reduce_fixed.py", world_size=0)
+
+
+def test_a_size_the_world_size_does_not_divide_is_named(tmp_path: Path, capsys) -> None:
+    """Without shard_state the default loader cannot cut 16 rows in 3; with a loader that takes
+    16 // 3 rows each, one row is lost: a real discrepancy, whose likelier fix is the world size."""
+    unloaded = MLP[: MLP.index("def shard_state")] + MLP[MLP.index("def inputs") :]
+    assert main(["verify", _case(tmp_path, unloaded), "--quiet", "--world-size", "3"]) == 2
+    assert "16 (dim 0) is not divisible by world size 3" in capsys.readouterr().err
+    narrowed = REDUCED.replace('return {"up.weight": ref["up.weight"].chunk(n, 0)[rank], "down.weight": ref["down.weight"].chunk(n, 1)[rank]}',
+                               'k = 16 // n\n    return {"up.weight": ref["up.weight"][rank * k:(rank + 1) * k], '
+                               '"down.weight": ref["down.weight"][:, rank * k:(rank + 1) * k]}')
+    assert main(["verify", _case(tmp_path, narrowed), "--quiet", "--world-size", "3"]) == 1
+    line = _line_of(narrowed, 'return {"up.weight"')
+    assert f"size 16 of `up.weight` (dim 0) is not divisible by world size 3: each rank takes 5 at case.py:{line}" in capsys.readouterr().out
+
+
+def test_a_directory_given_as_the_case_is_named_as_one(tmp_path: Path, capsys) -> None:
+    assert main(["verify", str(tmp_path), "--quiet"]) == 2
+    assert "is a directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("target", ["missing/out.json", "."], ids=["missing-directory", "a-directory"])
+def test_an_output_that_cannot_be_written_is_refused_before_any_work(tmp_path: Path, capsys, target: str) -> None:
+    assert main(["verify", str(CASES / "row-bias-before-reduce_fixed.py"), "--json", str(tmp_path / target)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "--json" in err  # nothing was proven (and printed) first
+
+
+def test_what_the_model_prints_stays_off_the_report(tmp_path: Path, capfd) -> None:
+    """stdout carries the report alone, whatever the model prints while it is traced and run."""
+    text = MLP.replace("return self.down(torch.relu(self.up(x)))", "print('hidden', x)\n        return self.down(torch.relu(self.up(x)))")
+    assert main(["verify", _case(tmp_path, text), "--quiet"]) == 1  # it is still the buggy MLP: run numerically too
+    out, err = capfd.readouterr()
+    assert out.startswith("discrepancy: missing reduction") and "hidden" not in out
+    assert "hidden" in err
+
+
+def test_an_internal_error_exits_3_in_one_line(monkeypatch, capsys) -> None:
+    def broken(*args, **kwargs):
+        raise KeyError("term 42")
+
+    monkeypatch.setattr("shardproof.driver.prove", broken)
+    case = str(CASES / "row-bias-before-reduce_fixed.py")
+    assert main(["verify", case, "--quiet"]) == 3
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "Traceback" not in err
+    assert "internal error while proving: KeyError: 'term 42'" in err and "bug in shardproof" in err and "--debug" in err
+    assert main(["verify", case, "--quiet", "--debug"]) == 3
+    assert "Traceback" in capsys.readouterr().err
+
+
+def test_a_numeric_run_that_fails_is_never_a_discrepancy(monkeypatch, capsys) -> None:
+    """The oracle raising (here: always) cannot confirm a wrong-layout finding: unknown, exit 2."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("expected scalar type Float but found Double")
+
+    monkeypatch.setattr("shardproof.api.run_numeric", broken)
+    assert main(["verify", str(CASES / "qkv-gqa-offset_buggy.py"), "--quiet"]) == 2
+    assert "the numeric run failed: RuntimeError: expected scalar type Float" in capsys.readouterr().out
+
+
+def test_version_and_module_entry_point() -> None:
+    for command in (["--version"], ["--help"]):
+        done = subprocess.run([sys.executable, "-m", "shardproof", *command], capture_output=True, text=True, check=True)
+        assert "shardproof" in done.stdout
+    assert subprocess.run([sys.executable, "-m", "shardproof", "--version"], capture_output=True, text=True).stdout.strip() \
+        == f"shardproof {metadata.version('shardproof')}"

@@ -104,3 +104,17 @@ def test_too_large_to_run_only_structural_faults_stand() -> None:
     assert alone.verdict == "unknown" and "too large" in alone.message
     [overlap] = confirmed(never, [_finding(GRADIENT, "overlapping shards", None)], NUMERIC_CHECK_LIMIT + 1)
     assert overlap.verdict == "discrepancy", "a sum over ranks that never reads a column is structural"
+
+
+def test_a_numeric_run_that_fails_confirms_nothing_and_is_no_discrepancy_itself() -> None:
+    """An exception in the oracle (a bug there, or a model that fails on real tensors) keeps only
+    the faults the proof shows structurally, saying why they are unconfirmed."""
+
+    def fails() -> NumericResult:
+        raise RuntimeError("expected scalar type Float but found Double\nmore detail")
+
+    [layout] = confirmed(fails, [_finding(GRADIENT, "wrong layout", None)], 1)
+    assert layout.verdict == "unknown" and "the numeric run failed: RuntimeError: expected scalar type" in layout.message
+    [partial] = confirmed(fails, [_finding(None, "missing reduction", None)], 1)
+    assert partial.verdict == "discrepancy" and "not confirmed numerically: the numeric run failed" in partial.message
+    assert "more detail" not in partial.message

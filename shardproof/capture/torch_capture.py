@@ -24,11 +24,12 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from shardproof.capture.dispatch_trace import NotPlain, Traced, chain, record
+from shardproof.capture.hints import hint
 from shardproof.capture.locations import autograd_origins, every_user_frame, locator, user_frame
 from shardproof.capture.meshes import RealDeviceMeshes, distinct_meshes
 from shardproof.capture.symbolic_rank import symbolic_rank
 from shardproof.case import Case
-from shardproof.errors import CaptureError, ShardproofError
+from shardproof.errors import CaptureError, CaseError, ShardproofError
 from shardproof.ir.from_fx import Lowerer
 from shardproof.ir.graph import BOUND_LEAF_PREFIX, Graph
 from shardproof.ir.rank_expr import RankExpr
@@ -124,7 +125,10 @@ def _session(case: Case, world_size: int, mode: str) -> Iterator[_Session]:
     with _fake_tensor_errors_unlogged(), FakeTensorMode(allow_non_fake_inputs=True):
         with _process_group(0, world_size):
             ref_model, ref_state, on_meta = _reference(case, mode)
-            ref_inputs = tuple(_build("inputs()", case.inputs))
+            ref_inputs = _build("inputs()", case.inputs)
+        if not isinstance(ref_inputs, (tuple, list)):
+            raise CaseError(f"inputs() returned {_what(ref_inputs)}; it must return a tuple of tensors "
+                            "(one input: `return (x,)`)")
         program = program_for(case, ref_model, mode)
         names = [f"state:{n}" for n in ref_state] + [f"input:{i}" for i in range(len(ref_inputs))]
         tensors = [*ref_state.values(), *ref_inputs]
@@ -153,14 +157,14 @@ def _reference(case: Case, mode: str) -> tuple[torch.nn.Module, dict[str, torch.
     if model is not None:
         fakes: dict[int, torch.Tensor] = {}
         return model, {name: fakes.setdefault(id(t), _fake_like(t)) for name, t in module_state(model).items()}, True
-    model = _build("reference()", case.reference)
+    model = _build_model("reference()", case.reference)
     return model, module_state(model), False
 
 
 def _meta_reference(case: Case) -> torch.nn.Module | None:
     """The reference built on meta tensors, or None if it cannot be or holds tensor subclasses."""
     try:
-        model = _build("reference()", lambda: _on_meta(case.reference))
+        model = _build_model("reference()", lambda: _on_meta(case.reference))
     except ShardproofError:
         return None
     plain = all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in module_state(model).values())
@@ -189,7 +193,7 @@ def _trace_reference(session: _Session, memo: bool) -> Graph:
         return trace(session.model, light_only=True)
     except (ShardproofError, NotPlain):
         with _process_group(0, session.world_size):
-            model = _build("reference()", session.case.reference)
+            model = _build_model("reference()", session.case.reference)
         return trace(model, light_only=False)
 
 
@@ -209,7 +213,7 @@ def _trace_rank(session: _Session, rank: int, bound: list[torch.Tensor], memo: b
                 return _trace_loaded(session, rank, memo, on_meta=True), Trained()
             except (ShardproofError, NotPlain):
                 return _trace_loaded(session, rank, memo, on_meta=False), Trained()
-        model = _build(f"distributed({rank}, {world_size})", lambda: session.case.distributed(rank, world_size))
+        model = _build_model(f"distributed({rank}, {world_size})", lambda: session.case.distributed(rank, world_size))
         runs: list[Trained] = []  # make_fx traces tensors only: the rest of a run's result is kept here
 
         def run_rank(*args: torch.Tensor) -> list[torch.Tensor]:
@@ -233,7 +237,7 @@ def _trace_loaded(session: _Session, rank: int, memo: bool, on_meta: bool, symbo
     def build() -> torch.nn.Module:
         return session.case.distributed(given, world_size)
 
-    model = _build(f"distributed({rank}, {world_size})", (lambda: _on_meta(build)) if on_meta else build)
+    model = _build_model(f"distributed({rank}, {world_size})", (lambda: _on_meta(build)) if on_meta else build)
 
     def load(*args: torch.Tensor) -> list[torch.Tensor]:
         return program.load(model, *session.unpack(args), given, world_size)
@@ -383,7 +387,7 @@ def _failing_as_capture_error(what: str, run: Callable[[], Any]) -> Any:
     except (ShardproofError, NotPlain):
         raise
     except Exception as err:  # noqa: BLE001 - any failure in user code is reported with the user's frame
-        raise CaptureError(f"{what} failed: {type(err).__name__}: {_first_line(err)}{user_frame(err)}") from err
+        raise CaptureError(f"{what} failed: {type(err).__name__}: {_first_line(err)}{user_frame(err)}{hint(err)}") from err
 
 
 def _placeholder(reference: Graph, output_index: int) -> torch.Tensor:
@@ -398,6 +402,18 @@ def _build(what: str, fn: Callable[[], Any]) -> Any:
             return fn()
 
     return _failing_as_capture_error(what, build)
+
+
+def _build_model(what: str, fn: Callable[[], Any]) -> torch.nn.Module:
+    model = _build(what, fn)
+    if not isinstance(model, torch.nn.Module):
+        raise CaseError(f"{what} returned {_what(model)}; it must return the model (a torch.nn.Module)")
+    return model
+
+
+def _what(value: Any) -> str:
+    """A value as the user would name it: None, a tensor (fake or not), a dict."""
+    return "None" if value is None else "a tensor" if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
 
 
 @contextlib.contextmanager
