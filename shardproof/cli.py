@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator
 
 EXIT_USAGE = 2  # unusable input, as argparse's own usage errors
 EXIT_INTERNAL = 3
+FORMATS = ("text", "github", "sarif")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,6 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     from shardproof.errors import ShardproofError
 
     try:
+        if args.command == "init":
+            from shardproof.init import write_template
+
+            return write_template(args.path, args.model, args.force)
         _check_paths(args)
     except ShardproofError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -48,6 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
+    common.add_argument("--html", metavar="PATH", help="also write the report as one self-contained HTML page to PATH")
     common.add_argument("--quiet", action="store_true", help="no progress display")
     common.add_argument("--debug", action="store_true", help="show the traceback of an internal error")
 
@@ -56,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     verify_cmd.add_argument("--hf", metavar="CONFIG",
                             help="instead of a case file: a transformers config.json, parallelised by transformers' own TP")
     verify_cmd.add_argument("--tp-plan", metavar="PLAN", help="with --hf: a JSON file of TP plan entries overriding the model's")
+    verify_cmd.add_argument("--format", "--output-format", dest="output_format", choices=FORMATS, default="text",
+                            help="how stdout shows the report: text (default), github (workflow annotations at the "
+                            "culprit lines), sarif (SARIF 2.1.0)")
     verify_cmd.add_argument("--world-size", type=_world_size, default=None, help="number of ranks (default: the case's WORLD_SIZE)")
     verify_cmd.add_argument("--preset", help="use the case file's PRESETS[NAME] as its CONFIG")
     verify_cmd.add_argument("--train", action="store_true",
@@ -77,6 +86,12 @@ def _parser() -> argparse.ArgumentParser:
     graphs_cmd.add_argument("--distributed", required=True, help="distributed graphs: one SPMD file, or a directory with one file per rank")
     graphs_cmd.add_argument("--format", choices=["hlo", "fx"], help="graph format (default: detected from the files)")
     graphs_cmd.add_argument("--relations", metavar="FILE", help="JSON pinning some input relations by hand (see README)")
+    graphs_cmd.add_argument("--output-format", choices=FORMATS, default="text", help="as verify's --format")
+
+    init_cmd = commands.add_parser("init", help="write a commented case file to start from")
+    init_cmd.add_argument("path", nargs="?", default="case.py", help="where to write it (default: case.py)")
+    init_cmd.add_argument("--model", metavar="PKG.MODULE:CLASS", help="a torch.nn.Module class to build the case around")
+    init_cmd.add_argument("--force", action="store_true", help="overwrite an existing file")
     return parser
 
 
@@ -105,7 +120,7 @@ def _check_paths(args: argparse.Namespace) -> None:
 
     if args.command == "verify" and args.case is not None:
         case_file(args.case)
-    for option in ("json",):
+    for option in ("json", "html"):
         target = getattr(args, option)
         if target is None:
             continue
@@ -162,13 +177,18 @@ def _transformers_case(args: argparse.Namespace) -> Any:
 
 
 def _write(report: Any, args: argparse.Namespace) -> None:
+    from shardproof.report import ci
     from shardproof.report.text import render
 
-    print(render(report))
+    print({"text": render, "github": ci.github, "sarif": ci.sarif}[args.output_format](report))
     if args.json:
         import json
 
         Path(args.json).write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    if args.html:
+        from shardproof.report.html import page
+
+        Path(args.html).write_text(page(report))
 
 
 def _failed(err: Exception, phase: str, debug: bool) -> int:

@@ -47,7 +47,7 @@ def verify_candidates(
         try:
             proof, chosen = _first_proven(front_end(), progress)
         except UnsupportedOp as err:
-            return Report("unknown", world_size, time.perf_counter() - start, 0, 0, str(err), unknown={"op": err.op, "reason": str(err)})
+            return _no_rule(err, world_size, time.perf_counter() - start)
         if proof.verdict == "discrepancy":
             proof.findings = _confirmed(proof, chosen, progress)
         return _report(proof, chosen, time.perf_counter() - start)
@@ -75,6 +75,11 @@ def _confirmed(proof: Proof, candidate: Candidate, progress: Callable[[str], Non
     return confirmed(candidate.numbers, proof.findings, candidate.elements)
 
 
+def _no_rule(err: UnsupportedOp, world_size: int, seconds: float) -> Report:
+    """The front end stopped at an op it cannot lower."""
+    return Report("unknown", world_size, seconds, 0, 0, str(err), kind="unknown", unknown={"op": err.op, "reason": str(err)})
+
+
 def _report(proof: Proof, candidate: Candidate, seconds: float) -> Report:
     """Verdict, figures, the sites a finding names, and what the proof assumed."""
     captured = candidate.captured
@@ -92,9 +97,12 @@ def _report(proof: Proof, candidate: Candidate, seconds: float) -> Report:
         inputs=candidate.inputs,
         outputs_compared=candidate.outputs_compared,
     )
-    if proof.findings:
+    if not proof.findings:
+        report.proven = [check.label for check in captured.checks]
+    else:
         finding = combined(proof.findings, proof.unchecked)
         report.claims = failing_claims(proof.findings)
+        report.kind, report.claim, report.fix = finding.kind, finding.claim, finding.fix
         report.diagnosis = finding.message + (f"; note: {candidate.caveat}" if candidate.caveat else "")
         report.distributed = _unique([_site(node, rank) for rank, node in finding.distributed])
         report.reference = _unique([_site(node, None) for node in finding.reference])

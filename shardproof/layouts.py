@@ -27,10 +27,10 @@ class Layout:
 
     def describe(self) -> str:
         if self.kind == "replicate":
-            return "replicated"
+            return "as Replicate()"
         if self.kind == "value":
             return f"= {self.value} ({self.why})"
-        what = f"sharded on dim {self.dim}"
+        what = f"as Shard({self.dim})"
         if len(self.blocks) > 2:
             what += f" in blocks {list(self.blocks)} (each block split over ranks)"
         if self.micro[1] > 1:

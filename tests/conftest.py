@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Callable
 
+import jsonschema
 import pytest
 
-from shardproof import verify
+from shardproof import driver, verify
 from shardproof.case import Case
 from shardproof.oracle import run_numeric
 from shardproof.report.model import Report
+
+pytest_plugins = ["pytester"]
 
 
 @pytest.fixture
@@ -25,3 +30,20 @@ def checked_step() -> Callable[..., Report]:
         return report
 
     return check
+
+
+SCHEMA = json.loads((Path(__file__).parent.parent / "shardproof" / "report" / "schema.json").read_text())
+
+
+@pytest.fixture(autouse=True)
+def reports_follow_the_schema(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every report the driver makes anywhere in the suite is checked against the JSON Schema."""
+    for name in ("_report", "_no_rule"):
+        make = getattr(driver, name)
+
+        def checked(*args, make=make, **kwargs) -> Report:
+            report = make(*args, **kwargs)
+            jsonschema.validate(report.to_json(), SCHEMA)
+            return report
+
+        monkeypatch.setattr(driver, name, checked)

@@ -42,20 +42,3 @@ class Universe:
 
     def __len__(self) -> int:
         return len(self.terms)
-
-    def render(self, term_id: int, depth: int = 3) -> str:
-        """A short human-readable form, cut at `depth`."""
-        term = self.terms[term_id]
-        if term.op == "leaf":
-            return str(term.attrs[0]).split(":", 1)[-1]
-        if depth == 0:
-            return "…"
-        inner = ", ".join(self.render(a, depth - 1) for a in term.args)
-        attrs = ", ".join(_show(a) for a in term.attrs if a != ())
-        return f"{term.op}({inner}{', ' if inner and attrs else ''}{attrs})"
-
-
-def _show(value: Any) -> str:
-    if isinstance(value, tuple) and value and all(isinstance(v, tuple) and len(v) == 2 for v in value):
-        return "[" + ", ".join(f"{lo}:{hi}" for lo, hi in value) + "]"
-    return str(value)

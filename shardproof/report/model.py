@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 EXIT_CODES = {"equivalent": 0, "discrepancy": 1, "unknown": 2}
@@ -21,9 +23,19 @@ class Site:
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
+        data["file"] = relative(self.file)
         if self.rank is None:
             del data["rank"]
         return data
+
+
+def relative(path: str) -> str:
+    """A path relative to the working directory when it lies under it (the user's project), else
+    as it is (an installed library's file)."""
+    try:
+        return str(Path(path).resolve().relative_to(Path(os.getcwd()).resolve()))
+    except ValueError:
+        return path
 
 
 @dataclass
@@ -45,6 +57,10 @@ class Report:
     calls_proven: int = 0  # distinct repeated-module calls proven (layer memoization)
     calls_reused: int = 0  # calls answered from one of those proofs
     claims: list[str] = field(default_factory=list)  # discrepancy: the claims found failing, the diagnosed one first
+    kind: str | None = None  # the diagnosed finding's kind of fault (relations/diagnose/finding.KINDS)
+    claim: str | None = None  # the claim the diagnosis is about (None: the programs as a whole)
+    fix: str = ""  # one sentence of what to do
+    proven: list[str] = field(default_factory=list)  # equivalent: the claims proven (outputs, loss, gradients)
 
     @property
     def exit_code(self) -> int:
@@ -54,7 +70,10 @@ class Report:
         discrepancy = None
         if self.verdict == "discrepancy":
             discrepancy = {
+                "kind": self.kind.replace(" ", "_") if self.kind else None,
+                "claim": self.claim,
                 "diagnosis": self.diagnosis,
+                "fix": self.fix,
                 "claims": self.claims,
                 "reference": [s.to_json() for s in self.reference],
                 "distributed": [s.to_json() for s in self.distributed],
@@ -68,6 +87,7 @@ class Report:
             "discrepancy": discrepancy,
             "unknown": self.unknown,
             "notes": self.notes,
+            "proven": self.proven,
         }
         if self.inputs:
             data["inputs"] = self.inputs

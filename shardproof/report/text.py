@@ -13,6 +13,8 @@ def render(report: Report) -> str:
         )
         return "\n".join([summary, *(f"  proven: {note}" for note in report.notes), *_assumed(report)])
     lines = [f"{report.verdict}: {report.diagnosis}"]
+    if report.fix and report.verdict == "discrepancy":
+        lines.append(f"  fix: {report.fix}")
     for site in report.distributed:
         lines.append(f"  rank {site.rank}  {_site(site)}")
     for site in report.reference:
@@ -22,7 +24,7 @@ def render(report: Report) -> str:
 
 def _assumed(report: Report) -> list[str]:
     """Imported graphs: the input relations that are not plain replicas (the full list is in --json)."""
-    cut = [i for i in report.inputs if not i.endswith(" replicated")]
+    cut = [i for i in report.inputs if not i.endswith(" as Replicate()")]
     return [f"  assuming: {line}" for line in cut] + ([f"  compared: {report.outputs_compared} outputs"] if report.inputs else [])
 
 

@@ -41,8 +41,8 @@ def _run(tmp_path: Path, ref: str, dist: str, relations: dict | None = None) -> 
 def test_vllm_qwen2_tensor_parallel_is_equivalent(tmp_path: Path) -> None:
     code, report = _run(tmp_path, "qwen2/paral1_layer1", "qwen2/paral2_layer1")
     assert code == 0 and report["verdict"] == "equivalent" and report["world_size"] == 2
-    assert "arg4_1 = arg4_1 sharded on dim 0 in blocks [0, 1536, 1792, 2048] (each block split over ranks)" in report["inputs"]
-    assert "arg9_1 = arg9_1 sharded on dim 0 in blocks [0, 8960, 17920] (each block split over ranks)" in report["inputs"]
+    assert "arg4_1 = arg4_1 as Shard(0) in blocks [0, 1536, 1792, 2048] (each block split over ranks)" in report["inputs"]
+    assert "arg9_1 = arg9_1 as Shard(0) in blocks [0, 8960, 17920] (each block split over ranks)" in report["inputs"]
 
 
 @needs_data
@@ -72,7 +72,7 @@ def test_gradient_accumulation_bug_is_a_confirmed_wrong_scale(tmp_path: Path) ->
     culprit = report["discrepancy"]["distributed"][0]  # the micro-batch mean, not the accumulation
     assert (culprit["file"].rsplit("/", 1)[-1], culprit["line"]) == ("test_trainer_simple.py", 100)
     assert culprit["code"] == "loss = ((y - labels) ** 2).mean()"
-    assert "arg5_1 = arg2_1 sharded on dim 0, micro-batch 1 of 2" in report["inputs"]
+    assert "arg5_1 = arg2_1 as Shard(0), micro-batch 1 of 2" in report["inputs"]
 
 
 LAYERNORM_BUG = ("bug_missing_layernorm_allreduce/tp1", "bug_missing_layernorm_allreduce/tp2.bug")

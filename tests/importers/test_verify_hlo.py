@@ -74,7 +74,7 @@ def test_fused_gate_up_blocks_are_inferred_and_proven(mlp_pair) -> None:
     ref, dist = mlp_pair()
     report = verify_graphs(ref, dist)
     assert report.verdict == "equivalent" and report.world_size == 2
-    assert "gate_up = gate_up sharded on dim 1 in blocks [0, 6, 12]" in report.inputs[2]
+    assert "gate_up = gate_up as Shard(1) in blocks [0, 6, 12]" in report.inputs[2]
     pair = import_pair(ref, dist)
     captured = pair.captured([p.candidates[0] for p in pair.pairs])
     assert run_graphs(captured.reference, captured.ranks, pair.checks).agree
@@ -88,7 +88,7 @@ def test_plain_chunk_of_the_fused_weight_does_not_prove(mlp_pair, tmp_path: Path
     captured = pair.captured([p.candidates[0] for p in pair.pairs])
     numbers = run_graphs(captured.reference, captured.ranks, pair.checks)
     assert not numbers.agree and report.verdict == "discrepancy"
-    assert report.inputs[2] == "gate_up = gate_up sharded on dim 1 (pinned)"
+    assert report.inputs[2] == "gate_up = gate_up as Shard(1) (pinned)"
 
 
 def test_missing_all_reduce_is_a_confirmed_missing_reduction(mlp_pair) -> None:
@@ -126,7 +126,7 @@ def test_neuron_llama_tensor_parallel_is_equivalent(dist: str, ref: str, tmp_pat
     assert code == 0 and report["verdict"] == "equivalent"
     assert report["world_size"] == int(dist[2]) and report["outputs_compared"].startswith(report["outputs_compared"].split()[-1])
     fused = [line for line in report["inputs"] if "blocks" in line]
-    assert fused == ["p9.10 = p9.10 sharded on dim 1 in blocks [0, 2048, 2560, 3072] (each block split over ranks)"] or dist == "tp2_layer2"
+    assert fused == ["p9.10 = p9.10 as Shard(1) in blocks [0, 2048, 2560, 3072] (each block split over ranks)"] or dist == "tp2_layer2"
 
 
 @needs_llama

@@ -20,6 +20,8 @@ from shardproof.relations.diagnose.wrong_scale import ScaleFaults
 from shardproof.relations.execute import Execution
 from shardproof.relations.rules import Rules
 from shardproof.relations.skipped import skipped_backward
+from shardproof.report.terms import fraction, line_of, placement, value_name
+from shardproof.report.terms import describe
 
 
 class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, OverlappingShards, LayoutFaults, RankChunks):
@@ -122,13 +124,16 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, OverlappingSha
         partial_inputs = self._partial_inputs(rank, node)
         if partial_inputs:
             origin = self._piece_origin(rank, node)
+            kind = self.partial_kind(partial_inputs)
             return Finding(
                 "discrepancy",
                 "missing reduction",
-                f"missing reduction: a {self.partial_kind(partial_inputs)} (each rank holds only its share) reaches "
+                f"missing reduction: a {kind} (`{placement(kind)}`: each rank holds only its share) reaches "
                 f"`{node.op}` without an all-reduce",
                 [(rank, origin), (rank, node)] if origin is not None else [(rank, node)],
                 op=node.op,
+                fix=f"all-reduce {value_name(origin or node)} after {line_of(origin or node)}, before `{node.op}` "
+                f"at {line_of(node)} uses it",
             )
         return self._wrong_operand(rank, node)
 
@@ -147,12 +152,14 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, OverlappingSha
                 if repeated is not None:
                     return repeated
             factor = have / want
-            message = f"wrong scale (x{factor}): {factor} times the reference value"
+            message = f"wrong scale (x{fraction(factor)}): {fraction(factor)} times the reference value"
             scaling = self._scaling_origin(rank, node, want)
+            fix = f"scale {value_name(culprit)} by {fraction(1 / factor)} at {line_of(culprit)}"
             if scaling is None:
-                return Finding("discrepancy", "wrong scale", message, [(rank, culprit)], scale=factor)
-            where = f"; each share of it is scaled by {scaling[1]} here, where the reference scales the whole by {want}"
-            return Finding("discrepancy", "wrong scale", message + where, [(rank, scaling[0]), (rank, culprit)], scale=factor)
+                return Finding("discrepancy", "wrong scale", message, [(rank, culprit)], scale=factor, fix=fix)
+            where = f"; each share of it is scaled by {fraction(scaling[1])} here, where the reference scales the whole by {fraction(want)}"
+            return Finding("discrepancy", "wrong scale", message + where, [(rank, scaling[0]), (rank, culprit)], scale=factor,
+                           fix=f"scale by {fraction(want)} (the whole) instead of {fraction(scaling[1])} (a share) at {line_of(scaling[0])}")
         return self._wrong_axis_finding(rank, node) or self._unexplained(rank, node)
 
     # --- finding the line that introduced something ---------------------------------------------------
@@ -173,7 +180,7 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, OverlappingSha
             "unknown",
             "unknown",
             f"could not relate `{node.op}` on rank {rank} to the reference: no rule applies to its operands "
-            f"({', '.join(self.r.u.render(self.run.ranks[rank][i], 2) for i in node.inputs)})",
+            f"({', '.join(describe(self.r.u, self.run.ranks[rank][i], 2) for i in node.inputs)})",
             [(rank, node)],
             op=node.op,
         )

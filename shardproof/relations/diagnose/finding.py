@@ -9,17 +9,38 @@ from fractions import Fraction
 
 from shardproof.ir.graph import Node
 
+# The kinds of fault, as the JSON report names them (with `_` for spaces; shardproof/report/schema.json
+# lists the same). A new kind is added here, described in one line.
+KINDS = {
+    "missing reduction": "a partial sum or max over ranks is used (or returned) without its all-reduce",
+    "overlapping shards": "the shards summed over ranks overlap or leave gaps (a rank holds the wrong shard)",
+    "double counting": "a term is added on every rank before a sum over ranks, so it is counted once per rank",
+    "double reduction": "a value already summed over ranks is summed again",
+    "wrong group": "a reduction runs over fewer ranks than hold shares of the sum",
+    "wrong scale": "the right terms with the wrong coefficients (a mean over a shard summed, say)",
+    "wrong layout": "an operand holds the wrong region of the reference's tensor, or reads it with the wrong shape",
+    "wrong axis": "shards are concatenated along another dim than they were split on",
+    "mismatched collectives": "ranks issue different collectives: a real run would hang or mix tensors",
+    "missing backward step": "a forward line's backward computes nothing on a rank where the reference's does",
+    "unknown": "the proof did not go through and no fault was found: a rule may be missing",
+}
+
 
 @dataclass
 class Finding:
     verdict: str  # "discrepancy" or "unknown"
-    kind: str  # missing reduction, overlapping shards, double counting, wrong scale, wrong layout, wrong axis, unknown
+    kind: str  # one of KINDS
     message: str
     distributed: list[tuple[int, Node]] = field(default_factory=list)  # (rank, node), culprit first
     reference: list[Node] = field(default_factory=list)
     op: str | None = None
     scale: Fraction | None = None  # wrong scale, double counting: the factor on the reference value
     claim: str | None = None  # the claim (steps.Check label) found failing; None: the programs as a whole
+    fix: str = ""  # one sentence of what to do, in the user's words
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"finding of unknown kind {self.kind!r}: add it to finding.KINDS")
 
     @property
     def brief(self) -> str:

@@ -8,6 +8,7 @@ from shardproof.ir.graph import Node
 from shardproof.ir.ops import OPS
 from shardproof.relations.diagnose.agreement import LAYOUT_OPS
 from shardproof.relations.diagnose.finding import Finding
+from shardproof.report.terms import line_of, placement, value_name
 
 
 class MissingReductions:
@@ -31,6 +32,7 @@ class MissingReductions:
                 f"missing reduction: this rank's share of a sum is added to a value already reduced by `{collective.op}` "
                 f"over ranks {list(collective.attrs[-1])}; the other ranks' shares of it never arrive",
                 [(rank, join), (rank, collective)],
+                fix=f"add this share before the `{collective.op}` at {line_of(collective)}, so that it is reduced with the rest",
             )
         for collective in reversed(self._partial_chain(rank, node)):
             narrow = self._wrong_group(rank, collective)
@@ -44,14 +46,17 @@ class MissingReductions:
                 f"missing reduction (wrong buffer): `{copy.op}` over ranks {list(copy.attrs[-1])} reduces a copy of this "
                 "value and its result is never used; the value used is each rank's own share",
                 [(rank, copy)],
+                fix=f"use the result of the `{copy.op}` at {line_of(copy)} (or reduce the used tensor in place)",
             )
         origin = self._piece_origin(rank, node)
+        kind = self.partial_kind([self.run.ranks[rank][node.id]])
         return Finding(
             "discrepancy",
             "missing reduction",
-            f"missing reduction: the output is still a {self.partial_kind([self.run.ranks[rank][node.id]])} (each rank "
-            "holds only its share); it needs an all-reduce",
+            f"missing reduction: the output is still a {kind} (`{placement(kind)}`: each rank holds only its share); "
+            "it needs an all-reduce",
             [(rank, origin)] if origin is not None else [(rank, node)],
+            fix=f"all-reduce {value_name(origin or node)} after {line_of(origin or node)}",
         )
 
     def _added_after_reduction(self, rank: int, node: Node) -> tuple[Node, Node] | None:

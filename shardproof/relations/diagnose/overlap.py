@@ -10,6 +10,7 @@ from shardproof.ir.graph import Graph, Node
 from shardproof.relations.diagnose.agreement import LAYOUT_OPS
 from shardproof.relations.diagnose.finding import Finding
 from shardproof.relations.diagnose.shards import own_chunk
+from shardproof.report.terms import line_of
 
 Span = tuple[int, int]
 OPERANDS = ("first", "second")
@@ -48,7 +49,9 @@ class OverlappingShards:
         if culprit is not None:
             message += f": {_cutting(self.ranks[rank], culprit, rank)}"
         sites = [(rank, culprit)] if culprit is not None else []
-        return Finding("discrepancy", "overlapping shards", message, sites + [(rank, first), (rank, collective)])
+        cut = culprit if culprit is not None else first
+        return Finding("discrepancy", "overlapping shards", message, sites + [(rank, first), (rank, collective)],
+                       fix=f"make rank {rank} take its own chunk of its {OPERANDS[wrong]} operand at {line_of(cut)}")
 
     def _cut(self, rank: int, operand: Node) -> Node | None:
         """The slice that cut this rank's operand at the wrong offset: the one it is a layout of

@@ -10,6 +10,7 @@ from shardproof.ir.ops import OPS
 from shardproof.relations.diagnose.agreement import LAYOUT_OPS
 from shardproof.relations.diagnose.finding import Finding
 from shardproof.relations.layout import reshape_groups
+from shardproof.report.terms import describe, line_of, value_name
 
 
 class LayoutFaults:
@@ -33,6 +34,7 @@ class LayoutFaults:
             "wrong axis",
             f"wrong layout (wrong axis): shards split along dim {axes[1]} are concatenated along dim {axes[0]}",
             [(rank, node)],
+            fix=f"concatenate along dim {axes[1]}, the dim the shards were split on, at {line_of(node)}",
         )
 
     def _mixing_reshape(self, rank: int, chain: list[Node]) -> Finding | None:
@@ -51,6 +53,7 @@ class LayoutFaults:
                     f"wrong layout: a reshape regroups axes {mixed[0]} as {mixed[1]}, mixing elements of "
                     "different axes (e.g. batch and sequence)",
                     [(rank, node)],
+                    fix=f"move the axes into place (permute or transpose) before the reshape at {line_of(node)}",
                 )
         return None
 
@@ -115,10 +118,11 @@ class LayoutFaults:
         return Finding(
             "discrepancy",
             "wrong layout",
-            f"wrong layout: on rank {rank}, operand {position} of `{node.op}` is "
-            f"{self.r.u.render(terms[d_in], 3)} but the reference uses {self.r.u.render(ref_terms[r_in], 3)}",
+            f"wrong layout: on rank {rank}, operand {position} of `{node.op}` ({value_name(self.ranks[rank][d_in])}) is "
+            f"{describe(self.r.u, terms[d_in], 3)} but the reference uses {describe(self.r.u, ref_terms[r_in], 3)}",
             [(rank, culprit), (rank, node)],
             [match, self.reference[r_in]],
+            fix=f"make {value_name(culprit)} at {line_of(culprit)} take rank {rank}'s own part of what the reference uses there",
         )
 
     def _should_match(self, rank: int, node: Node) -> Node | None:

@@ -11,6 +11,7 @@ from shardproof.ir.graph import Node
 from shardproof.relations.diagnose.agreement import LAYOUT_TERMS
 from shardproof.relations.diagnose.finding import Finding
 from shardproof.relations.rules import Rules
+from shardproof.report.terms import describe, fraction, line_of
 
 
 class ScaleFaults:
@@ -69,6 +70,7 @@ class ScaleFaults:
             f"double reduction: the operand of `{node.op}` is the result of the `{earlier.op}`{where}, already summed "
             f"over ranks {group}; summing it again counts it {len(group)} times",
             [(rank, node), (rank, earlier)],
+            fix=f"drop the `{node.op}` at {line_of(node)}: the value is already summed",
         )
 
     def _earlier_reduction(self, rank: int, node: Node) -> Node | None:
@@ -101,13 +103,14 @@ class ScaleFaults:
             return bad in weights and good in weights and weights[bad] / weights[good] != ratio
 
         culprit = self._introducing(rank, node, misweighs)
-        term = "constant term" if isinstance(bad, tuple) else f"term {self.r.u.render(bad, 2)}"
+        term = "constant term" if isinstance(bad, tuple) else f"term {describe(self.r.u, bad, 2)}"
         return Finding(
             "discrepancy",
             "wrong scale",
             f"wrong scale: on rank {rank} the {term} of a sum reaching `{node.op}` has coefficient "
-            f"{have[bad]} where the reference has {want[bad]}, while the other terms agree",
+            f"{fraction(have[bad])} where the reference has {fraction(want[bad])}, while the other terms agree",
             [(rank, culprit), (rank, node)],
+            fix=f"give the {term} the coefficient {fraction(want[bad])} at {line_of(culprit)}",
         )
 
     def _scaled(self, t: int) -> bool:
