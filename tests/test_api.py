@@ -25,10 +25,12 @@ KIND_WORDS = {
 }
 
 
-def _params(paths: list[Path], world_sizes: list[int] | None = None) -> list:
+def _params(paths: list[Path], world_sizes: list[int] | None = None, slow_from: int | None = None) -> list:
+    """One param per path (and world size); those at `slow_from` ranks or more are marked slow."""
     if world_sizes is None:
         return [pytest.param(p, id=p.stem) for p in paths]
-    return [pytest.param(p, n, id=f"{p.stem}-{n}") for p in paths for n in world_sizes]
+    slow = lambda n: [pytest.mark.slow] if slow_from is not None and n >= slow_from else []  # noqa: E731
+    return [pytest.param(p, n, id=f"{p.stem}-{n}", marks=slow(n)) for p in paths for n in world_sizes]
 
 
 def _marker(path: Path, tag: str) -> tuple[int, str] | None:
@@ -79,7 +81,7 @@ def test_fixed_case_and_lookalike_are_proven(path: Path, world_size: int) -> Non
 
 
 @pytest.mark.parametrize(
-    ("path", "world_size"), _params(sorted(p for p in EXAMPLES.glob("*.py") if "def distributed(" in p.read_text()), [1, 2, 4, 8])
+    ("path", "world_size"), _params(sorted(p for p in EXAMPLES.glob("*.py") if "def distributed(" in p.read_text()), [1, 2, 4, 8], 4)
 )
 def test_example_is_proven(path: Path, world_size: int) -> None:
     report, _ = _checked(path, world_size)

@@ -103,6 +103,7 @@ def test_batch_of_one_is_proven(name: str) -> None:
     _assert_proven(case, 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("world_size", "seq"), [(2, 8), (4, 8), (8, 16)])
 def test_sequence_parallel_training_at_batch_of_one_is_proven(world_size: int, seq: int) -> None:
     """Megatron TP + SP training on one sequence (the preset's micro-batch): the fused qkv and
@@ -113,6 +114,7 @@ def test_sequence_parallel_training_at_batch_of_one_is_proven(world_size: int, s
     _assert_proven(case, world_size)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_tensor_parallel_training_at_batch_of_one_is_proven(world_size: int) -> None:
     """Megatron TP training on one sequence (the 405B preset's batch) with one kv head per rank

@@ -42,6 +42,7 @@ def test_assert_equivalent_returns_the_report_or_fails_with_it() -> None:
         assert_equivalent(CASES / "row-bias-before-reduce_buggy.py")
 
 
+@pytest.mark.slow
 def test_the_plugin_collects_case_files_as_tests(pytester: pytest.Pytester) -> None:
     pytester.makefile(".py", mlp_case=textwrap.dedent(MLP))
     pytester.makefile(".py", unreduced_case=textwrap.dedent(MLP).replace("            dist.all_reduce(y)\n", "            pass\n"))

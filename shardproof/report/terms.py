@@ -46,16 +46,16 @@ def placement(kind: str) -> str:
 
 def value_name(node: Node) -> str:
     """How the user's code names a node's value: the variable its line assigns (`scores`), else
-    the expression of the line (`self.down(x)`, cut if long), else the op."""
+    the expression of the line (`self.down(x)`, cut if long), else the op; an op of a line's
+    backward is the gradient flowing back through that value."""
     loc = node.loc
     if loc is None:
         return f"the `{node.op}` result"
     code = loc.code.split("  #", 1)[0].strip()
     assigned = re.match(r"([A-Za-z_][\w.]*(?:\[[^\]]*\])?)\s*(?::[^=]+)?[-+*/@]?=(?!=)", code)
-    if assigned:
-        return f"`{assigned[1]}`"
-    expression = code.removeprefix("return ").strip()
-    return f"`{expression if len(expression) <= 48 else expression[:47] + '…'}`"
+    expression = assigned[1] if assigned else code.removeprefix("return ").strip()
+    name = f"`{expression if len(expression) <= 48 else expression[:47] + '…'}`"
+    return f"the gradient flowing back through {name}" if loc.backward else name
 
 
 def line_of(node: Node) -> str:

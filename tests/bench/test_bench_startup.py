@@ -13,6 +13,7 @@ import pytest
 BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
 
 
+@pytest.mark.slow
 def test_the_bench_prints_a_row_per_command(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     monkeypatch.syspath_prepend(str(BENCH_DIR))
     bench = importlib.import_module("startup")

@@ -20,6 +20,7 @@ def bench(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     return module
 
 
+@pytest.mark.slow
 def test_one_pair_gives_a_full_row(bench: ModuleType):
     row = bench.run_pair("aws_llama/tp1_layer1", "aws_llama/tp2_layer1", 10.1, timeout=300)
     assert row.verdict == "equivalent", row.note

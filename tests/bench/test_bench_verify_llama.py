@@ -18,6 +18,7 @@ def bench(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     return importlib.import_module("verify_llama")
 
 
+@pytest.mark.slow
 def test_one_configuration_gives_a_full_row(bench: ModuleType):
     row = bench.run_configuration(2, 1, None, timeout=120)
     assert row.verdict in {"equivalent", "discrepancy", "unknown"}, row.note
@@ -27,12 +28,14 @@ def test_one_configuration_gives_a_full_row(bench: ModuleType):
     assert table.splitlines()[2].startswith(f"| 2 | 1 | {row.verdict} |")
 
 
+@pytest.mark.slow
 def test_training_configuration_gives_a_full_row(bench: ModuleType):
     row = bench.run_configuration(2, 1, None, timeout=120, mode="train")
     assert row.verdict == "equivalent", row.note
     assert row.total is not None and row.distributed_ops > row.reference_ops
 
 
+@pytest.mark.slow
 def test_a_training_step_of_the_tensor_parallel_case_reuses_its_layer_proofs(bench: ModuleType):
     """What `bench/scale.py --train` measures: examples/llama_tp.py in training mode."""
     row = bench.run_configuration(2, 3, None, timeout=120, mode="train", case_file=bench.EXAMPLES / "llama_tp.py")

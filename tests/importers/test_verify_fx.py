@@ -101,6 +101,7 @@ def test_missing_layernorm_allreduce_is_found_at_the_weight_gradient() -> None:
     assert "process group `1`: ranks [0]" in report.inputs and "process group `3`: ranks [1]" in report.inputs
 
 
+@pytest.mark.slow
 @needs_data
 def test_the_layernorm_bug_leaves_only_the_sequence_parallel_gradients_unproven() -> None:
     """No false finding elsewhere: the loss and every other gradient of the joint graph (tensor-

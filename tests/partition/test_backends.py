@@ -53,6 +53,7 @@ def test_a_case_built_in_python_stays_in_this_process() -> None:
     assert portable(case) is None
 
 
+@pytest.mark.slow
 def test_a_process_pool_traces_the_ranks_this_process_would() -> None:
     case = _llama(3)
     here = capture_ranks(case, 4, [1, 2, 3])

@@ -8,6 +8,7 @@ import inspect
 from pathlib import Path
 from typing import Callable
 
+import pytest
 import torch
 
 from shardproof import verify
@@ -47,6 +48,7 @@ def test_identical_layers_are_proven_once_and_reused() -> None:
     assert proof.calls.reused >= LAYERS - 1, "layers 1.. answered from layer 0's proof"
 
 
+@pytest.mark.slow
 def test_a_wrong_shard_in_one_layer_on_one_rank_is_diagnosed_as_without_memoization() -> None:
     case = _llama()
     original = case.shard_state
@@ -68,6 +70,7 @@ def test_a_wrong_shard_in_one_layer_on_one_rank_is_diagnosed_as_without_memoizat
     assert (report.diagnosis, report.distributed) == (plain.diagnosis, plain.distributed), "as without memoization"
 
 
+@pytest.mark.slow
 def test_a_shard_one_column_off_in_one_layer_on_one_rank_is_overlapping_shards_at_the_loader_line() -> None:
     """One rank cuts one layer's down_proj columns one further on: its shard overlaps the next
     rank's and no rank holds the column before it, so the all-reduce never reads that column (a

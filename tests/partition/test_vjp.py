@@ -97,6 +97,7 @@ def _case(**bad_layer) -> Case:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["train", "step"])
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_repeated_layers_train_equivalent_with_one_proof_forward_and_one_backward(
@@ -119,6 +120,7 @@ def _as_without_memoization(checked_step, case: Case, world_size: int):
     return report
 
 
+@pytest.mark.slow
 def test_a_missing_backward_all_reduce_in_one_layer_is_found_in_that_layer(checked_step) -> None:
     report = _as_without_memoization(checked_step, _case(reduce_input_grad=False), 2)
     assert report.verdict == "discrepancy"
@@ -127,6 +129,7 @@ def test_a_missing_backward_all_reduce_in_one_layer_is_found_in_that_layer(check
     assert any(s.op.endswith("in the backward") for s in report.distributed)
 
 
+@pytest.mark.slow
 def test_a_wrong_gradient_slice_on_one_rank_in_one_layer_is_found_on_that_rank(checked_step) -> None:
     report = _as_without_memoization(checked_step, _case(wrong_on=BAD_RANK), 4)
     assert report.verdict == "discrepancy"

@@ -48,3 +48,5 @@ def test_a_value_is_named_by_the_variable_its_line_assigns() -> None:
     assert named("out[..., a:b] = local  # write the shard") == "`out[..., a:b]`"
     assert named("return self.down(x)  # BUG") == "`self.down(x)`"
     assert value_name(Node(0, "mul", (), (), (), "float32", "mul_3")) == "the `mul` result"
+    backward = Node(0, "sum", (), (), (), "float32", "sum_1", Location("model.py", 31, "y = self.norm(x)", backward=True))
+    assert value_name(backward) == "the gradient flowing back through `y`"

@@ -9,7 +9,7 @@ from fractions import Fraction
 from shardproof.ir.graph import Node
 from shardproof.relations.diagnose.finding import Finding
 from shardproof.relations.diagnose.shards import own_chunk
-from shardproof.report.terms import describe, fraction, line_of, value_name
+from shardproof.report.terms import describe, line_of, value_name
 
 
 class CollectiveFaults:
@@ -32,20 +32,20 @@ class CollectiveFaults:
             if repeated is not None:
                 return repeated
             factor = have / want
-            counted = f"after `{node.op}` the term {describe(self.r.u, extra, 2)} is counted {fraction(have)} times where " \
-                      f"the reference counts it {fraction(want)} times"
+            counted = f"after `{node.op}` the term {describe(self.r.u, extra, 2)} is counted {have} times where " \
+                      f"the reference counts it {want} times"
             if factor == len(node.attrs[-1]) and self._held_whole(rank, node, extra):
                 culprit = self._introducing(rank, node, lambda x: extra in self._lin_args(x))
-                message = f"double counting (x{fraction(factor)}): {counted}: it is added on every rank before the sum over ranks"
+                message = f"double counting (x{factor}): {counted}: it is added on every rank before the sum over ranks"
                 return Finding("discrepancy", "double counting", message, [(rank, culprit), (rank, node)], scale=factor,
-                               fix=f"add {describe(self.r.u, extra, 2)} after the `{node.op}` at {line_of(node)}, or on one rank only")
+                               fix=f"add `{describe(self.r.u, extra, 2)}` after the `{node.op}` at {line_of(node)}, or on one rank only")
             scaling = self._scaling_origin(rank, node)
             culprit = scaling[0] if scaling else self._introducing(rank, node, lambda x: extra in self._lin_args(x))
-            where = f": each rank's share is scaled by {fraction(scaling[1])} here" if scaling else ""
-            return Finding("discrepancy", "wrong scale", f"wrong scale (x{fraction(factor)}): {counted}{where}",
+            where = f": each rank's share is scaled by {scaling[1]} here" if scaling else ""
+            return Finding("discrepancy", "wrong scale", f"wrong scale (x{factor}): {counted}{where}",
                            [(rank, culprit), (rank, node)], scale=factor,
-                           fix=f"scale {value_name(culprit)} by {fraction(want / have)} more at {line_of(culprit)}, so that "
-                           f"the term counts {fraction(want)} times after the `{node.op}`")
+                           fix=f"scale {value_name(culprit)} by {want / have} more at {line_of(culprit)}, so that "
+                           f"the term counts {want} times after the `{node.op}`")
         return self._unexplained(rank, node)
 
     def _uneven_pieces(self, rank: int, node: Node, pieces: list[tuple[int, Fraction]]) -> Finding:

@@ -20,8 +20,7 @@ from shardproof.relations.diagnose.wrong_scale import ScaleFaults
 from shardproof.relations.execute import Execution
 from shardproof.relations.rules import Rules
 from shardproof.relations.skipped import skipped_backward
-from shardproof.report.terms import fraction, line_of, placement, value_name
-from shardproof.report.terms import describe
+from shardproof.report.terms import describe, line_of, placement, value_name
 
 
 class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, OverlappingShards, LayoutFaults, RankChunks):
@@ -152,14 +151,14 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, OverlappingSha
                 if repeated is not None:
                     return repeated
             factor = have / want
-            message = f"wrong scale (x{fraction(factor)}): {fraction(factor)} times the reference value"
+            message = f"wrong scale (x{factor}): {factor} times the reference value"
             scaling = self._scaling_origin(rank, node, want)
-            fix = f"scale {value_name(culprit)} by {fraction(1 / factor)} at {line_of(culprit)}"
+            fix = f"scale {value_name(culprit)} by {1 / factor} at {line_of(culprit)}"
             if scaling is None:
                 return Finding("discrepancy", "wrong scale", message, [(rank, culprit)], scale=factor, fix=fix)
-            where = f"; each share of it is scaled by {fraction(scaling[1])} here, where the reference scales the whole by {fraction(want)}"
+            where = f"; each share of it is scaled by {scaling[1]} here, where the reference scales the whole by {want}"
             return Finding("discrepancy", "wrong scale", message + where, [(rank, scaling[0]), (rank, culprit)], scale=factor,
-                           fix=f"scale by {fraction(want)} (the whole) instead of {fraction(scaling[1])} (a share) at {line_of(scaling[0])}")
+                           fix=f"scale by {want} (the whole) instead of {scaling[1]} (a share) at {line_of(scaling[0])}")
         return self._wrong_axis_finding(rank, node) or self._unexplained(rank, node)
 
     # --- finding the line that introduced something ---------------------------------------------------

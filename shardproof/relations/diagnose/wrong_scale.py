@@ -11,7 +11,7 @@ from shardproof.ir.graph import Node
 from shardproof.relations.diagnose.agreement import LAYOUT_TERMS
 from shardproof.relations.diagnose.finding import Finding
 from shardproof.relations.rules import Rules
-from shardproof.report.terms import describe, fraction, line_of
+from shardproof.report.terms import describe, line_of
 
 
 class ScaleFaults:
@@ -108,9 +108,9 @@ class ScaleFaults:
             "discrepancy",
             "wrong scale",
             f"wrong scale: on rank {rank} the {term} of a sum reaching `{node.op}` has coefficient "
-            f"{fraction(have[bad])} where the reference has {fraction(want[bad])}, while the other terms agree",
+            f"{have[bad]} where the reference has {want[bad]}, while the other terms agree",
             [(rank, culprit), (rank, node)],
-            fix=f"give the {term} the coefficient {fraction(want[bad])} at {line_of(culprit)}",
+            fix=f"give the {term} the coefficient {want[bad]} at {line_of(culprit)}",
         )
 
     def _scaled(self, t: int) -> bool:
