@@ -23,6 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from shardproof.capture import custom_ops
 from shardproof.capture.dispatch_trace import NotPlain, Traced, chain, record
 from shardproof.capture.hints import hint
 from shardproof.capture.locations import autograd_origins, every_user_frame, locator, user_frame
@@ -314,6 +315,11 @@ _DECOMPOSED = get_decompositions([
 ])
 
 
+def _decompositions() -> dict:
+    """What is traced as smaller ops: the table above and Python custom ops (`capture/custom_ops`)."""
+    return {**_DECOMPOSED, **custom_ops.implementations()}
+
+
 def _trace(
     what: str,
     fn: Callable,
@@ -339,7 +345,7 @@ def _trace(
     def lower(gm: Traced | fx.GraphModule, names: list[str], ops: list[str]) -> Graph:
         return Lowerer(gm, names, locator(gm), ops, _group_ranks, rank).run()
 
-    return trace_with_memo(model, reduce_ops, trace, leaf_names, lower, program.differentiates, _DECOMPOSED)
+    return trace_with_memo(model, reduce_ops, trace, leaf_names, lower, program.differentiates, _decompositions())
 
 
 def _give_up() -> None:
@@ -362,7 +368,7 @@ def _recorded(what: str, fn: Callable, leaves: list, restart: Callable[[], None]
     126-layer model's calls and loader dominated capture); None where it handles tensor
     subclasses, after `restart`: make_fx traces those."""
     try:
-        return _failing_as_capture_error(f"tracing {what}", lambda: record(fn, leaves, restart, _DECOMPOSED)[0])
+        return _failing_as_capture_error(f"tracing {what}", lambda: record(fn, leaves, restart, _decompositions())[0])
     except NotPlain:
         restart()
         return None
@@ -371,7 +377,7 @@ def _recorded(what: str, fn: Callable, leaves: list, restart: Callable[[], None]
 def _trace_fx(what: str, fn: Callable, leaves: list) -> fx.GraphModule:
     def run() -> fx.GraphModule:
         with autograd_origins(), every_user_frame():
-            return make_fx(fn, decomposition_table=_DECOMPOSED, tracing_mode="real", record_stack_traces=True)(*leaves)
+            return make_fx(fn, decomposition_table=_decompositions(), tracing_mode="real", record_stack_traces=True)(*leaves)
 
     return _failing_as_capture_error(f"tracing {what}", run)
 
