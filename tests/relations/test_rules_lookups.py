@@ -59,6 +59,27 @@ def test_vocab_parallel_masked_embedding(vocab, cuts_):
     b.check(total)
 
 
+@pytest.mark.parametrize("vocab,cuts_", [(8, (0, 4, 8)), (9, (0, 3, 6, 9)), (10, (0, 7, 10))])
+def test_vocab_parallel_clamped_embedding_scaled_by_its_float_mask(vocab, cuts_):
+    """torchtitan's Embedding: rows at the clamped local ids, times `mask.unsqueeze(-1).to(dtype)`."""
+    b = Build()
+    w = b.leaf("w", (vocab, 4))
+    ids = b.leaf("ids", (2, 5), value=torch.randint(0, vocab, (2, 5), generator=b.gen))
+    ranks = []
+    for lo, hi in zip(cuts_, cuts_[1:]):
+        inside = b.op("logical_and", b.op("ge", ids, b.scalar(lo, ids.shape, torch.int64)),
+                      b.op("lt", ids, b.scalar(hi, ids.shape, torch.int64)))
+        shifted = b.sub(ids, b.scalar(lo, ids.shape, torch.int64))
+        clamped = b.op("minimum", b.op("maximum", shifted, b.scalar(0, ids.shape, torch.int64)),
+                       b.scalar(hi - lo - 1, ids.shape, torch.int64))
+        rows = b.op("embedding", b.sl(w, 0, lo, hi), clamped)
+        scale = b.expand(b.op("convert", b.view(inside, ids.shape + (1,)), attrs=("float64",)), rows.shape)
+        ranks.append(b.op("mul", rows, scale))
+    total = b.add(*ranks)
+    b.check(total)
+    assert total.term == b.op("embedding", w, ids).term
+
+
 def test_gather_is_linear_in_its_table_and_constant_along_broadcast_rows():
     b = Build()
     x, y, m = b.leaf("x", (2, 3, 5)), b.leaf("y", (2, 3, 5)), b.leaf("m", (2, 3))

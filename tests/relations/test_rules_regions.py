@@ -245,6 +245,23 @@ def test_mqa_batch_one_rank_scores_are_a_slice_of_the_reference():
     assert b.is_slice_of(y, reference)
 
 
+@pytest.mark.parametrize("heads", [2, 4, 8])
+def test_one_head_times_a_table_with_a_size_one_head_dim_matches_the_reference(heads):
+    """A rotary table gathered per position has a size-1 head dim; the reference broadcasts it over
+    all its query heads, a rank holding one head multiplies without broadcasting: heads h of the
+    reference's product all the same."""
+    batch, seq, dim = 2, 3, 4
+    b = Build()
+    q, table = b.leaf("q", (batch, seq, heads, dim)), b.leaf("table", (batch, seq, 1, 2 * dim))
+    cos = b.sl(table, 3, 0, dim)
+    reference = b.op("mul", q, b.expand(cos, q.shape))
+    b.r.reference_size = len(b.u)
+    for h in range(heads):
+        y = b.op("mul", b.sl(q, 2, h, h + 1), cos)
+        b.check(y)
+        assert y.term == b.sl(reference, 2, h, h + 1).term
+
+
 def test_expand_of_a_trailing_size_one_dim():
     b = Build()
     x = b.leaf("x", (3, 1))

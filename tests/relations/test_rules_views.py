@@ -83,6 +83,22 @@ def test_a_column_of_a_grid_dropped_by_a_view_keeps_the_other_slices_outside():
     assert b.is_slice_of(heads, whole) and b.u[heads.term].attrs[0] == ((0, 2), (0, 2), (0, 6), (0, 2))
 
 
+@pytest.mark.parametrize("heads", [2, 4])
+def test_one_head_of_a_fused_projection_flattened_is_a_column_range_of_the_references(heads):
+    """v is columns [2d:3d) of each head's fused (q, k, v) block; the reference flattens all heads'
+    v, (s, heads, d) -> (s, heads*d). A rank's one head flattens (s, 1, d) -> (s, d): a dropped
+    size-1 dim, yet the rank's columns [h*d:(h+1)*d) of the reference's."""
+    seq, d = 3, 2
+    b = Build()
+    fused = b.leaf("fused", (seq, heads, 3 * d))
+    reference = b.view(b.sl(fused, 2, 2 * d, 3 * d), (seq, heads * d))
+    b.r.reference_size = len(b.u)
+    for h in range(heads):
+        y = b.view(b.box(fused, ((0, seq), (h, h + 1), (2 * d, 3 * d))), (seq, d))
+        b.check(y)
+        assert y.term == b.sl(reference, 1, h * d, (h + 1) * d).term
+
+
 def test_one_head_of_a_batch_of_one_follows_the_reference():
     """A rank's one head of a batch of one, flattened for a batched matmul, (1, 1, s, d) ->
     (1, s, d), is that head of the reference's (heads, s, d); the scores back, (1, s, s) ->

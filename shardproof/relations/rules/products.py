@@ -62,15 +62,27 @@ def mul(r: Rules, args, attrs, shape, dtype) -> int:
         if r.op(a) == "piece" and r.op(other) != "piece":
             return r._map_linear(a, lambda t: r.build("mul", (t, other), attrs, shape, dtype), shape)
     for i, a in enumerate(args):
-        flag = r.u[a]
-        if flag.op == "convert" and r.u[flag.args[0]].dtype == "bool":  # x * float(m) = where(m, x, 0)
+        mask = _cast_mask(r, a)
+        if mask is not None:  # x * float(m) = where(m, x, 0)
             zero = r.literal("full", (), (0.0,), shape, dtype)
-            return r.build("where", (flag.args[0], args[1 - i], zero), (), shape, dtype)
+            return r.build("where", (mask, args[1 - i], zero), (), shape, dtype)
     for i, a in enumerate(args):
         absorbed = one_hot_times(r, a, args[1 - i], attrs, shape, dtype)
         if absorbed is not None:
             return absorbed
     return elementwise(r, "mul", args, attrs, shape, dtype)
+
+
+def _cast_mask(r: Rules, t: int) -> int | None:
+    """The bool mask `t` is a number cast of, perhaps broadcast (torchtitan's vocab-parallel
+    embedding scales its rows by `mask.unsqueeze(-1).to(dtype)`): bcast(float(m)) = float(bcast(m))."""
+    term = r.u[t]
+    if term.op == "bcast":
+        inner = _cast_mask(r, term.args[0])
+        return None if inner is None else r.bcast(inner, term.shape, term.attrs[0])
+    if term.op == "convert" and r.u[term.args[0]].dtype == "bool":
+        return term.args[0]
+    return None
 
 
 def div(r: Rules, args, attrs, shape, dtype) -> int:

@@ -279,8 +279,12 @@ class RegionRules:
             outer_box = tuple((0, rows) if d == dim else r for d, r in enumerate(box))
             outer_shape = tuple(rows if d == dim else s for d, s in enumerate(global_shape))
             inner = self.unslice(keys, outer_box, outer_shape)
-            if inner is not None:
-                candidate = self.repeat(inner, dim, times)
+            if inner is None:
+                continue
+            # one row repeated along the whole dim is also that row broadcast (the size-1 head dim
+            # of a rotary table meeting 8 query heads)
+            broadcast = [self.expand(inner, global_shape)] if rows == 1 else []
+            for candidate in [self.repeat(inner, dim, times), *broadcast]:
                 if self.in_reference(candidate):
                     return candidate
         return None

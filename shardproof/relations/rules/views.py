@@ -137,15 +137,26 @@ class ViewRules:
 
     def _view_inner_slice(self, root: int, region: Box, shape: tuple[int, ...]) -> int | None:
         """view(X[box]) where the box restricts a dim that the reshape merges under an outer one
-        (the v columns [64:96] of fused per-head qkv, merged with the heads) or drops (one column
-        of a strided slice's grid): no box of a view of X is that, so X sliced on those inner dims alone stays a tensor of its own, Y, and the
+        (the v columns [64:96] of fused per-head qkv, merged with the heads; or merged under a
+        selected row the reshape drops, a rank's one head) or drops (one column of a strided slice's
+        grid): no box of a view of X is that, so X sliced on those inner dims alone stays a tensor of its own, Y, and the
         rest of the box (a rank's heads) is a box of view(Y). The reference slices the same Y."""
         root_shape = self.shape(root)
         groups = reshape_groups(box_shape(region), shape)
         if groups is None:
             return None
-        inner = {d for gi, gj in groups for d in (gi[1:] if len(gi) > 1 else gi if not gj else ())
-                 if region[d] != (0, root_shape[d])}  # merged under an outer dim, or dropped (one wide)
+        inner: set[int] = set()
+        rows: list[int] = []  # selected rows the reshape drops, not yet placed
+        for gi, gj in groups:
+            sliced = [d for d in gi if region[d] != (0, root_shape[d])]
+            if gi and not gj:
+                rows += sliced
+            elif gi:
+                # rows right before a sliced group are its outer factor (one head of fused qkv's v
+                # columns, flattened); before a whole group they are one-wide columns, dropped
+                inner |= set(sliced) if rows and sliced else {*rows, *(d for d in sliced if d != gi[0])}
+                rows = []
+        inner |= set(rows)
         if not inner:
             return None
         inner_box = tuple(region[d] if d in inner else (0, s) for d, s in enumerate(root_shape))
