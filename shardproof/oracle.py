@@ -64,7 +64,8 @@ def run_numeric(
 ) -> NumericResult:
     """Agree when every check of the case's program (steps.py) holds on every rank to within
     `atol + rtol * max|expected|`."""
-    with _LOCK, _default_dtype(torch.float64), torch.random.fork_rng(devices=[]), _RealFloats():
+    with _LOCK, torch.compiler.set_stance("force_eager"), _default_dtype(torch.float64), \
+            torch.random.fork_rng(devices=[]), _RealFloats():  # compiled code runs as the eager code it compiles
         torch.manual_seed(seed)
         ref = case.reference()
         _randomise_parameters(ref)

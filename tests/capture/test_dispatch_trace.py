@@ -5,10 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import shardproof.capture.torch_capture as torch_capture
 from shardproof.capture.torch_capture import capture
-from shardproof.case import load_case
+from shardproof import verify
+from shardproof.capture.dispatch_trace import record
+from shardproof.case import Case, load_case
+from shardproof.oracle import run_numeric
 from shardproof.ir.graph import Graph
 
 ROOT = Path(__file__).parents[2]
@@ -52,3 +57,37 @@ def test_memoized_calls_recorded_as_make_fx_traces_them(monkeypatch: pytest.Monk
     traced = _graphs("examples/llama_tp.py", memo=True)
     assert [[row[0] for row in g] for g in light] == [[row[0] for row in g] for g in traced]
     assert any(row[0] == "call" for row in light[1])
+
+
+def test_flex_attention_is_recorded_as_its_dense_math() -> None:
+    """A higher-order op is recorded through its dense implementation, the one torch runs on the
+    CPU: plain aten ops, no HOP."""
+    q, k, v = (torch.randn(1, 2, 4, 3) for _ in range(3))
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
+        mask = create_block_mask(lambda b, h, i, j: i >= j, None, None, q.shape[2], k.shape[2], device="cpu")
+        return [flex_attention(q, k, v, block_mask=mask)]
+
+    with torch.compiler.set_stance("force_eager"):  # flex_attention compiles itself in eager mode
+        traced, _ = record(attend, [q, k, v])
+    targets = {str(n.target) for n in traced.graph.nodes if n.op == "call_function"}
+    assert "aten.bmm.default" in targets or "aten.matmul.default" in targets or "aten.mm.default" in targets
+    assert not any("flex" in t for t in targets)
+
+
+_doubled = torch.compile(lambda x: x * 2, fullgraph=True)
+
+
+class _Compiled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _doubled(self.up(x))
+
+
+def test_compiled_code_is_traced_as_the_eager_code_it_compiles() -> None:
+    case = Case(_Compiled, lambda rank, n: _Compiled(), lambda: (torch.randn(3, 4),))
+    assert verify(case, world_size=2).verdict == "equivalent"
+    assert run_numeric(case, 2).agree
