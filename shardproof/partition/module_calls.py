@@ -128,7 +128,7 @@ class CallMemo:
     reduce_ops: list[str]  # the trace's record of in-place collective ReduceOps (appended by capture)
     gradients: bool  # the trace differentiates: calls reading grad-requiring tensors are differentiated
     decompositions: Decompositions  # composite ops broken up as in the trace (in graphs recorded apart)
-    excluded: set[Hashable] = field(default_factory=set)
+    excluded: set[Hashable] = field(default_factory=set)  # modules' structure keys (call keys' first part)
     regions: dict[Hashable, Region] = field(default_factory=dict)
     differentiated: dict[Hashable, Differentiated | None] = field(default_factory=dict)  # None: traced inline
     sites: list[int] = field(default_factory=list)  # ids of the calls answered from a region
@@ -154,7 +154,7 @@ class CallMemo:
         # location is the innermost kept frame outside torch: the user's, not this one
         def reused_or_traced(*args: Any, **kwargs: Any) -> Any:
             found = call_key(module, args, kwargs)
-            if found is None or found[0] in self.excluded:
+            if found is None or found[0][0] in self.excluded:
                 return original(*args, **kwargs)
             key, flat = found
             if self.gradients and torch.is_grad_enabled() and any(t.requires_grad for t in flat):
@@ -302,7 +302,7 @@ def trace_with_memo(
     gave up halfway): that forgets the calls and collectives recorded so far. `gradients`: the
     traced function differentiates (then calls that gradients flow through are differentiated,
     their graphs recorded apart with `decompositions`). A kind whose first call turns out to read
-    outside values is excluded and the trace redone."""
+    outside values is excluded (every call of its module's structure) and the trace redone."""
     recorded_before = len(reduce_ops)
 
     def forget_collectives() -> None:
@@ -323,7 +323,9 @@ def trace_with_memo(
         try:
             return memo.lower(gm, leaf_names, lower)
         except Impure as impure:
-            excluded.add(impure.key)
+            # every call of that module structure: the call key may name objects a trace makes
+            # anew (an attention-mask object, by identity), which the next trace's key would not
+            excluded.add(impure.key[0])
 
 
 def repeated_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:

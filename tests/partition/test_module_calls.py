@@ -69,6 +69,35 @@ class ReadsOutside(Block):
         return super().forward(x) + SHARED["bias"]
 
 
+class Mask:
+    """Not pytree data: a call key names it by identity, and each forward makes a new one (as
+    torchtitan makes its FlexAttention BlockMask from the positions in every forward)."""
+
+    def __init__(self, bias: torch.Tensor) -> None:
+        self.bias = bias
+
+
+class ReadsMask(Block):
+    def forward(self, x: torch.Tensor, mask: Mask) -> torch.Tensor:
+        return super().forward(x) + mask.bias
+
+
+class MaskedStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.project = nn.Linear(WIDTH, WIDTH)
+        self.blocks = nn.ModuleList(ReadsMask() for _ in range(DEPTH))
+        self.runs = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.runs += 1
+        x = self.project(x)
+        mask = Mask(x.mean(0))
+        for block in self.blocks:
+            x = block(x, mask)
+        return x
+
+
 class Stack(nn.Module):
     """An input projection, so every block sees the same kind of input (one requiring grad)."""
 
@@ -127,6 +156,15 @@ def test_layers_that_a_copy_cannot_stand_in_for_are_traced_every_time(layer: typ
     captured = capture(_case(make), 2)
     assert not _block_calls(captured)
     _assert_computes_what_torch_does(make, captured)
+
+
+def test_a_module_reading_an_argument_object_made_in_each_trace_is_excluded_once() -> None:
+    """Its calls read tensors their key does not hold: excluded by the module's structure, so the
+    trace is redone once, not until Python happens to reuse the object's address."""
+    model = MaskedStack()
+    captured = capture(Case(lambda: model, lambda rank, n: MaskedStack(), lambda: (torch.randn(3, WIDTH),)), 2)
+    assert not _block_calls(captured)
+    assert model.runs <= 3  # traced, excluded and traced again (a meta-tensor trace may precede)
 
 
 def test_reused_calls_keep_verdicts_agreeing_with_the_numbers() -> None:
