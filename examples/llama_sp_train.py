@@ -16,8 +16,8 @@ Distributed (this file), per rank, activations outside attention/MLP are sequenc
     all-gather), through autograd Functions like Megatron's mappings;
   - column-parallel lm_head, logits all-gathered along the vocabulary (backward: own slice).
 The checkpoint layout is the same as plain tensor parallelism: `shard_state` is llama_tp's.
-The embedding table is frozen here: shardproof has no rule yet for the scatter-add that is a
-vocab-parallel embedding's gradient.
+The vocabulary-parallel embedding table is trained too: its gradient is the scatter-add of each
+rank's masked rows into its own slice of the table.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         per_rank = config.vocab // world_size
         self.vocab_start, self.vocab_end = rank * per_rank, (rank + 1) * per_rank
-        self.weight = nn.Parameter(torch.empty(per_rank, config.hidden), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(per_rank, config.hidden))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         input_mask = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
@@ -196,7 +196,6 @@ class DistillationReference(LlamaReference):
 
 def reference() -> nn.Module:
     model = DistillationReference(CONFIG)
-    model.embed_tokens.weight.requires_grad_(False)
     return model
 
 

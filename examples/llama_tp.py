@@ -21,8 +21,8 @@ Training (`--train`, loss: mean square of the logits): each collective is wrappe
 autograd mapping, so the forward is the same ops and the backward is Megatron-LM's: the input of
 every column-parallel layer has its gradient all-reduced (`copy_to_tensor_model_parallel_region`),
 the all-reduce after a row-parallel layer passes its gradient through, and the logits' all-gather
-keeps this rank's slice of the gradient. The embedding table is frozen (its gradient is an
-index_put the prover has no rule for), in the reference and the ranks alike. Training needs
+keeps this rank's slice of the gradient; the vocabulary-parallel embedding's gradient is the
+scatter-add of this rank's masked rows into its slice of the table. Training needs
 n_kv_heads divisible by the world size: a kv head replicated over ranks (vLLM's inference layout)
 gets only its own rank's share of the gradient, and shardproof reports that missing reduction
 (SMALL at world size 4, say).
@@ -147,7 +147,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         per_rank = config.vocab // world_size
         self.vocab_start, self.vocab_end = rank * per_rank, (rank + 1) * per_rank
-        self.weight = nn.Parameter(torch.empty(per_rank, config.hidden), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(per_rank, config.hidden))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         input_mask = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
@@ -261,9 +261,7 @@ class LlamaTP(nn.Module):
 
 
 def reference() -> nn.Module:
-    model = LlamaReference(CONFIG)
-    model.embed_tokens.weight.requires_grad_(False)
-    return model
+    return LlamaReference(CONFIG)
 
 
 def distributed(rank: int, world_size: int) -> nn.Module:

@@ -310,7 +310,7 @@ def _on_meta(build: Callable[[], Any]) -> Any:
 _DECOMPOSED = get_decompositions([
     aten.silu_backward, aten.gelu_backward, aten.sigmoid_backward, aten.tanh_backward, aten.threshold_backward,
     aten.native_layer_norm_backward, aten._softmax_backward_data, aten._log_softmax_backward_data,
-    aten.native_dropout_backward, aten.embedding_dense_backward, aten.lerp, aten.lerp_, aten.addcmul,
+    aten.native_dropout_backward, aten.lerp, aten.lerp_, aten.addcmul,
     aten.addcmul_, aten.addcdiv, aten.addcdiv_, aten.mse_loss, aten.mse_loss_backward, aten.nll_loss_forward,
     aten.nll_loss_backward,
 ])

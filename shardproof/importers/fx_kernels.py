@@ -220,40 +220,6 @@ def _softmax_backward(lo: DumpLowerer, grad, out, dim, dtype=None) -> int:
     return b.binary("mul", y, b.subtract(g, dot))
 
 
-def _embedding_backward(lo: DumpLowerer, grad, ids, num_weights, padding_idx=-1, scale_grad_by_freq=False) -> int:
-    """The rows of grad summed into the rows their ids name: one_hot(ids)^T @ grad, the one-hot a
-    scatter of one entry per row (the form the one-hot rules normalise). Rows zeroed by a row mask
-    (a vocab-parallel embedding's gradient, masked like its `output[mask] = 0`) carry their zero in
-    the one-hot instead, onehot^T @ where(m, 0, g) = where(m, 0, onehot)^T @ g: then a rank's
-    one-hot is its vocabulary's slice of the reference's."""
-    if scale_grad_by_freq or padding_idx not in (-1, None):
-        raise from_fx.Declined
-    b, g, index = lo.builder(), lo.tensor(grad), lo.tensor(ids)
-    count, width, dtype = math.prod(lo.shape(index)), lo.shape(g)[-1], lo.dtype(g)
-    weights = b.full(1.0, (count, 1), dtype)
-    masked = _row_masked(lo, g, lo.shape(index))
-    if masked is not None:
-        mask, g = masked
-        weights = b.convert(b.unary("logical_not", b.view(mask, (count, 1))), dtype)
-    hot = b.add("scatter_add", (b.full(0.0, (count, int(num_weights)), dtype), b.view(index, (count, 1)), weights), (1,), (count, int(num_weights)), dtype)
-    return b.matmul(b.permute(hot, (1, 0)), b.view(g, (count, width)))
-
-
-def _row_masked(lo: DumpLowerer, value: int, rows: tuple[int, ...]) -> tuple[int, int] | None:
-    """(m, x) when `value` is where(m broadcast along its last dim, 0, x), m of shape `rows`."""
-    node = lo.graph[value]
-    if node.op != "where":
-        return None
-    cond, zero, kept = (lo.graph[i] for i in node.inputs)
-    while zero.op in ("view", "expand"):
-        zero = lo.graph[zero.inputs[0]]
-    if zero.op != "const" or zero.attrs[0] != ("full", 0) or kept.shape != node.shape:
-        return None
-    if cond.op != "expand" or lo.shape(cond.inputs[0]) != rows + (1,):
-        return None
-    return cond.inputs[0], kept.id
-
-
 # --- collectives ----------------------------------------------------------------------------------
 def _broadcast(lo: DumpLowerer, x, src, group) -> int:
     """Rank `src`'s tensor on every rank: its chunk of an all-gather."""
@@ -381,7 +347,6 @@ KERNELS: dict[str, Callable[..., Value]] = {
     "aten.baddbmm": _baddbmm,
     "aten.gelu_backward": _gelu_backward,
     "aten._softmax_backward_data": _softmax_backward,
-    "aten.embedding_dense_backward": _embedding_backward,
     "aten.new_empty_strided": from_fx._empty,
     "_c10d_functional.broadcast": _broadcast,
     "vllm.all_reduce": _vllm_all_reduce,

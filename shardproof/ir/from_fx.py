@@ -143,6 +143,8 @@ class Lowerer:
         """A tensor baked into the graph; a fake one only has a value if fake mode kept it, a meta one never."""
         real = getattr(tensor, "constant", None)
         real = tensor if real is None and not _is_fake(tensor) else real
+        if tensor.numel() == 0:  # no values to know (a cache's `torch.tensor([])`)
+            real = torch.empty(tensor.shape, dtype=tensor.dtype)
         if real is None or real.is_meta:
             users = list(self.current.users) if self.current is not None else []
             raise UnsupportedOp(
@@ -1036,10 +1038,14 @@ def _index_put(lo: Lowerer, x, indices, values, accumulate: bool = False) -> int
         value = broadcast_to(lo, lo.tensor(values), shape)
         return lo.emit("add", (target, value), (), shape, lo.dtype(target)) if accumulate else value
     masks = [i for i in indices if i is not None]
-    if accumulate or len(masks) != 1 or len(indices) != 1:
+    if len(masks) != 1 or len(indices) != 1:
         raise Declined
     mask = lo.tensor(masks[0])
     if lo.dtype(mask) != "bool":
+        if accumulate:
+            return _accumulated_rows(lo, target, mask, None, lo.tensor(values))
+        raise Declined
+    if accumulate:
         raise Declined
     mask_shape = lo.shape(mask)
     padded = mask_shape + (1,) * (len(shape) - len(mask_shape))
@@ -1048,6 +1054,72 @@ def _index_put(lo: Lowerer, x, indices, values, accumulate: bool = False) -> int
     mask = broadcast_to(lo, mask, shape)
     value = broadcast_to(lo, lo.tensor(values), shape)
     return lo.emit("where", (mask, value, target), (), shape, lo.dtype(target))
+
+
+def _masked_put_accumulate(lo: Lowerer, x, mask, indices, values) -> int:
+    """`x.index_put_(indices, values, accumulate=True)` where `mask` (its entries) is true: the
+    decomposition torch gives an embedding's backward."""
+    if len(indices) != 1 or not isinstance(indices[0], fx.Node):
+        raise Declined
+    return _accumulated_rows(lo, lo.tensor(x), lo.tensor(indices[0]), lo.tensor(mask), lo.tensor(values))
+
+
+def _embedding_backward(lo: Lowerer, grad, ids, num_weights, padding_idx=-1, scale_grad_by_freq=False) -> int:
+    """An embedding's weight gradient: the rows of grad summed into the rows their ids name, but
+    the padding row's. (torch's decomposition also masks ids out of range; the forward lookup
+    raised on those, so on any program that ran they are none.)"""
+    if scale_grad_by_freq:
+        raise Declined
+    index, g = lo.tensor(ids), lo.tensor(grad)
+    table = lo.emit("const", (), (("full", 0.0),), (int(num_weights), lo.shape(g)[-1]), lo.dtype(g))
+    if padding_idx is None or padding_idx < 0:
+        return _accumulated_rows(lo, table, index, None, g)
+    padding = broadcast_to(lo, lo.scalar(int(padding_idx), lo.dtype(index)), lo.shape(index))
+    return _accumulated_rows(lo, table, index, lo.emit("ne", (index, padding), (), lo.shape(index), "bool"), g)
+
+
+def _accumulated_rows(lo: Lowerer, target: int, ids: int, mask: int | None, values: int) -> int:
+    """`x[ids] += v` (row ids[i] of x gets row i of v; rows named twice sum), only the rows `mask`
+    keeps: x + onehot^T @ v, onehot row i a scatter of mask[i] at column ids[i] (the form the
+    one-hot rules normalise). A row mask already in v (a vocab-parallel embedding's gradient,
+    `where(m, 0, g)`, masked like its forward's `output[m] = 0`) moves into the one-hot:
+    onehot^T @ where(m, 0, g) = where(m, 0, onehot)^T @ g, so that a rank's one-hot is its
+    vocabulary's slice of the reference's."""
+    shape, id_shape = lo.shape(target), lo.shape(ids)
+    count, width, dtype = math.prod(id_shape), math.prod(shape[1:]), lo.dtype(target)
+    if lo.shape(values) != id_shape + shape[1:] or (mask is not None and math.prod(lo.shape(mask)) != count):
+        raise Declined  # a mask per element, not per row: no one-hot
+    keep = [lo.emit("view", (mask,), ((count, 1),), (count, 1), "bool")] if mask is not None else []
+    masked = _row_masked(lo, values, id_shape)
+    if masked is not None:
+        row_mask, values = masked
+        rows = lo.emit("view", (row_mask,), ((count, 1),), (count, 1), "bool")
+        keep.append(lo.emit("logical_not", (rows,), (), (count, 1), "bool"))
+    while len(keep) > 1:
+        keep[:2] = [lo.emit("logical_and", tuple(keep[:2]), (), (count, 1), "bool")]
+    weights = lo.emit("convert", (keep[0],), (dtype,), (count, 1), dtype) if keep else lo.emit("const", (), (("full", 1.0),), (count, 1), dtype)
+    zeros = lo.emit("const", (), (("full", 0.0),), (count, shape[0]), dtype)
+    column = lo.emit("view", (ids,), ((count, 1),), (count, 1), lo.dtype(ids))
+    hot = lo.emit("scatter_add", (zeros, column, weights), (1,), (count, shape[0]), dtype)
+    flat = lo.emit("view", (values,), ((count, width),), (count, width), lo.dtype(values))
+    hot_t = lo.emit("permute", (hot,), ((1, 0),), (shape[0], count), dtype)
+    summed = _as_buffer(lo, lo.emit("matmul", (hot_t, flat), (), (shape[0], width), dtype), shape)
+    return lo.emit("add", (target, summed), (), shape, dtype)
+
+
+def _row_masked(lo: Lowerer, value: int, rows: tuple[int, ...]) -> tuple[int, int] | None:
+    """(m, x) when `value` is where(m broadcast along its trailing dims, 0, x), m one per row of `rows`."""
+    node = lo.graph[value]
+    if node.op != "where":
+        return None
+    cond, zero, kept = (lo.graph[i] for i in node.inputs)
+    while zero.op in ("view", "expand"):
+        zero = lo.graph[zero.inputs[0]]
+    if zero.op != "const" or zero.attrs[0] != ("full", 0) or kept.shape != node.shape:
+        return None
+    if cond.op != "expand" or math.prod(lo.shape(cond.inputs[0])) != math.prod(rows) or lo.shape(cond.inputs[0])[: len(rows)] != rows:
+        return None
+    return cond.inputs[0], kept.id
 
 
 def _row_wise_put(lo: Lowerer, target: int, rows: int, idx: int, values, accumulate: bool) -> int:
@@ -1171,7 +1243,8 @@ _UNARY = ["neg", "exp", "log", "sqrt", "rsqrt", "reciprocal", "relu", "silu", "s
 _COMPARE = ["lt", "le", "gt", "ge", "eq", "ne"]
 
 _LOWER: dict[str, Callable[..., Value]] = {
-    **{f"aten.{name}": _passthrough for name in ["clone", "contiguous", "alias", "detach", "lift_fresh_copy", "dropout"]},
+    **{f"aten.{name}": _passthrough
+       for name in ["clone", "_lazy_clone", "contiguous", "alias", "detach", "lift_fresh", "lift_fresh_copy", "dropout"]},
     **{f"aten.{name}": _view for name in ["view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "flatten", "view_copy"]},
     "aten.t": lambda lo, x: _transpose(lo, x, 0, 1),
     "aten.transpose": _transpose,
@@ -1213,6 +1286,9 @@ _LOWER: dict[str, Callable[..., Value]] = {
     "aten.where": _where,
     "aten.masked_fill": _masked_fill,
     "aten.index_put": _index_put,
+    "aten._unsafe_index_put": _index_put,
+    "aten._unsafe_masked_index_put_accumulate": _masked_put_accumulate,
+    "aten.embedding_dense_backward": _embedding_backward,
     "aten.sum": _reduce("sum"),
     "aten.amax": _reduce("amax"),
     "aten.max": _max,

@@ -341,6 +341,12 @@ def _tensor_exponent(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return 10000.0 ** (torch.arange(0, 6).float() / 6) * x + w.abs().pow(x)
 
 
+def _rows_accumulated_by_ids(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    ids = (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
+    table = torch.zeros(4, 6).index_put_((ids,), x * w, accumulate=True)
+    return table.index_add(0, ids.flip(0), x) + F.embedding(ids, w, padding_idx=1)
+
+
 def _attention_and_top_values(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     q = (x * w).view(1, 2, 2, 6)
     attended = F.scaled_dot_product_attention(q, q, q, is_causal=True).reshape(4, 6)
@@ -388,12 +394,13 @@ def test_composite_ops_lower_to_what_torch_computes(body: Callable) -> None:
     _assert_ir_computes(body)
 
 
-@pytest.mark.parametrize("body", [_indexed_by_a_tensor, _strided_slices, _tensor_exponent, _attention_and_top_values],
+@pytest.mark.parametrize("body", [_indexed_by_a_tensor, _strided_slices, _tensor_exponent, _attention_and_top_values,
+                                  _rows_accumulated_by_ids],
                          ids=lambda f: f.__name__)
 def test_ops_without_a_hand_lowering_lower_to_what_torch_computes(body: Callable) -> None:
     """Open ops (indexing by a tensor, cumsum, topk, argmax, softplus), torch's decompositions
-    (SDPA, strided `repeat`), and calls a hand lowering declines (strided slices, a tensor
-    exponent) run as torch runs them."""
+    (SDPA, strided `repeat`, `index_add`), calls a hand lowering declines (strided slices, a tensor
+    exponent) and rows accumulated by ids (a one-hot product) run as torch runs them."""
     _assert_ir_computes(body)
 
 
