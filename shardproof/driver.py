@@ -102,7 +102,7 @@ def _report(proof: Proof, candidate: Candidate, seconds: float) -> Report:
     else:
         finding = combined(proof.findings, proof.unchecked)
         report.claims = failing_claims(proof.findings)
-        report.kind, report.claim, report.fix = finding.kind, finding.claim, finding.fix
+        report.kind, report.claim, report.fix, report.regions = finding.kind, finding.claim, finding.fix, finding.regions
         report.diagnosis = finding.message + (f"; note: {candidate.caveat}" if candidate.caveat else "")
         report.distributed = _unique([_site(node, rank) for rank, node in finding.distributed])
         report.reference = _unique([_site(node, None) for node in finding.reference])

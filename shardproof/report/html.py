@@ -3,8 +3,9 @@ reference, so it can be attached to a CI run and opened anywhere.
 
 It shows the verdict and diagnosis with its fix; the source around every site, the reference's
 beside each rank's, the culprit line highlighted (the first site of the diagnosis, in `CULPRIT`
-colour, the others in `RELATED`); the claims found failing; the relations assumed; and for an
-equivalent verdict what was proven (notes, calls proven once and reused).
+colour, the others in `RELATED`); the region of a tensor each side holds where they diverge, drawn
+dim by dim; the claims found failing; the relations assumed; and for an equivalent verdict what
+was proven (the claims, notes, calls proven once and reused).
 """
 
 from __future__ import annotations
@@ -12,12 +13,15 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
-from shardproof.report.model import Report, Site, relative
+from shardproof.report.model import Region, Report, Site, relative
+from shardproof.report.terms import index
 from shardproof.report.text import render
 
 CONTEXT = 5  # source lines shown before and after a site's line
 CULPRIT, RELATED = "#ffd400", "#ffe9a8"  # background of the culprit line and of the other sites' lines
 VERDICT_COLOURS = {"equivalent": "#1a7f37", "discrepancy": "#cf222e", "unknown": "#9a6700"}
+SIDE_COLOURS = {"rank": "#cf222e", "reference": "#1a7f37"}
+BAR = 320  # pixels of a dim's bar in the drawing of regions
 
 STYLE = f"""
 body {{ font: 15px/1.45 system-ui, sans-serif; margin: 2em auto; padding: 0 1em; max-width: 1400px; color: #1f2328; }}
@@ -48,6 +52,9 @@ def page(report: Report) -> str:
         reference = "".join(_excerpt(s, s is culprit) for s in report.reference) or "<p>(no reference site)</p>"
         parts.append(f"<h2>Where</h2><div class='sides'><div><h3>ranks</h3>{ranks}</div>"
                      f"<div><h3>reference</h3>{reference}</div></div>")
+    drawing = _regions(report.regions)
+    if drawing:
+        parts.append(f"<h2>What each side holds</h2>{drawing}")
     if report.claims:
         parts.append("<h2>Claims found failing</h2><ul>" + "".join(f"<li>{_text(c)}</li>" for c in report.claims) + "</ul>")
     if report.verdict == "equivalent":
@@ -80,6 +87,26 @@ def _excerpt(site: Site, culprit: bool) -> str:
         marked = " culprit" if culprit and number == site.line else " related" if number == site.line else ""
         rows.append(f"<span class='line{marked}'><span class='no'>{number}</span>{_text(text)}</span>")
     return f"<div class='excerpt'><h3>{title}</h3><pre>{''.join(rows)}</pre></div>"
+
+
+def _regions(regions: list[Region]) -> str:
+    """Each side's region as one bar per dim of its whole tensor, the part it holds filled; nothing
+    when every side holds whole tensors (the drawing would say nothing the diagnosis does not)."""
+    if all(r.box == tuple((0, size) for size in r.shape) for r in regions):
+        return ""
+    rows = []
+    for r in regions:
+        colour = SIDE_COLOURS["reference" if r.side == "reference" else "rank"]
+        bars = "".join(
+            f"<svg width='{BAR + 2}' height='14' role='img' aria-label='dim {d}: {lo}:{hi} of {size}'>"
+            f"<rect x='1' y='1' width='{BAR}' height='12' fill='#eaeef2' stroke='#8c959f'/>"
+            f"<rect x='{1 + BAR * lo / size:.1f}' y='1' width='{BAR * (hi - lo) / size:.1f}' height='12' fill='{colour}'/></svg>"
+            f" <code>dim {d}: {lo}:{hi} of {size}</code><br>"
+            for d, ((lo, hi), size) in enumerate(zip(r.box, r.shape)) if size
+        )
+        rows.append(f"<tr><th>{_text(r.side)}</th><td><code>{_text(r.tensor)}{_text(index(r.box, r.shape))}</code>"
+                    f"<br>{bars}</td></tr>")
+    return f"<table class='regions'>{''.join(rows)}</table>"
 
 
 def _figures(report: Report) -> str:

@@ -38,6 +38,20 @@ def relative(path: str) -> str:
         return path
 
 
+@dataclass(frozen=True)
+class Region:
+    """The part of a named tensor one side of a finding holds (rank r's operand, the reference's):
+    the report draws them side by side."""
+
+    side: str  # "rank 0", "reference"
+    tensor: str  # the whole tensor, as the user's code names it
+    shape: tuple[int, ...]
+    box: tuple[tuple[int, int], ...]  # [start, end) in every dim
+
+    def to_json(self) -> dict[str, Any]:
+        return {"side": self.side, "tensor": self.tensor, "shape": list(self.shape), "box": [list(r) for r in self.box]}
+
+
 @dataclass
 class Report:
     verdict: str
@@ -61,6 +75,7 @@ class Report:
     claim: str | None = None  # the claim the diagnosis is about (None: the programs as a whole)
     fix: str = ""  # one sentence of what to do
     proven: list[str] = field(default_factory=list)  # equivalent: the claims proven (outputs, loss, gradients)
+    regions: list[Region] = field(default_factory=list)  # discrepancy: the diverging regions, rank's and reference's
 
     @property
     def exit_code(self) -> int:
@@ -75,6 +90,7 @@ class Report:
                 "diagnosis": self.diagnosis,
                 "fix": self.fix,
                 "claims": self.claims,
+                "regions": [r.to_json() for r in self.regions],
                 "reference": [s.to_json() for s in self.reference],
                 "distributed": [s.to_json() for s in self.distributed],
             }

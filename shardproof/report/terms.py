@@ -15,8 +15,11 @@ import re
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
+from shardproof.report.model import Region
+
 if TYPE_CHECKING:
     from shardproof.ir.graph import Node
+    from shardproof.relations.rules import Rules
     from shardproof.relations.universe import Universe
 
 LEAF_KINDS = {"state": "{}", "input": "inputs()[{}]", "reference-output": "the reference's output {}"}
@@ -39,6 +42,12 @@ def fraction(value: Any) -> str:
     return str(value)
 
 
+def region(rules: Rules, side: str, t: int) -> Region:
+    """Term `t` as the region of a whole tensor it is (the whole term itself when it is none)."""
+    root, box = rules.as_region(t)
+    return Region(side, _wrapped(_text(rules.u, root, 2), ATOM), rules.shape(root), tuple(box))
+
+
 def placement(kind: str) -> str:
     """What a rank holds, as DTensor names its placement: a partial sum is `Partial(sum)`."""
     return {"partial sum": "Partial(sum)", "partial max": "Partial(max)"}.get(kind, kind)
@@ -53,8 +62,11 @@ def value_name(node: Node) -> str:
         return f"the `{node.op}` result"
     code = loc.code.split("  #", 1)[0].strip()
     assigned = re.match(r"([A-Za-z_][\w.]*(?:\[[^\]]*\])?)\s*(?::[^=]+)?[-+*/@]?=(?!=)", code)
+    entry = re.match(r"""(["'][^"']+["'])\s*:""", code)  # a dict entry: a loader's `"fc2.weight": ...`
     expression = assigned[1] if assigned else code.removeprefix("return ").strip()
     name = f"`{expression if len(expression) <= 48 else expression[:47] + '…'}`"
+    if entry:
+        name = f"the {entry[1]} entry"
     return f"the gradient flowing back through {name}" if loc.backward else name
 
 
@@ -95,7 +107,7 @@ def _attr(value: Any) -> str:
     return fraction(value)
 
 
-def _index(box: tuple[tuple[int, int], ...], shape: tuple[int, ...]) -> str:
+def index(box: tuple[tuple[int, int], ...], shape: tuple[int, ...]) -> str:
     """A box as a Python index: whole dims are `:`, trailing whole dims left out."""
     parts = [":" if (lo, hi) == (0, size) else f"{lo}:{hi}" for (lo, hi), size in zip(box, shape)]
     while parts and parts[-1] == ":":
@@ -104,7 +116,7 @@ def _index(box: tuple[tuple[int, int], ...], shape: tuple[int, ...]) -> str:
 
 
 def _slice(u: Universe, term: Any, args: list) -> tuple[str, int]:
-    return f"{_wrapped(args[0], ATOM)}{_index(term.attrs[0], u[term.args[0]].shape)}", ATOM
+    return f"{_wrapped(args[0], ATOM)}{index(term.attrs[0], u[term.args[0]].shape)}", ATOM
 
 
 def _view(u: Universe, term: Any, args: list) -> tuple[str, int]:

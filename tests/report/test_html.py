@@ -97,3 +97,11 @@ def _png_rgb(data: bytes) -> tuple[int, int, bytes]:
         previous = line
     pixels = b"".join(row[x : x + 3] for row in rows for x in range(0, stride, channels))
     return width, height, pixels
+
+
+def test_a_wrong_layout_page_draws_the_region_each_side_holds() -> None:
+    text = page(verify(CASES / "wrong-rank-shard_buggy.py"))
+    rank = text.split("<th>rank 0</th>", 1)[1].split("</tr>", 1)[0]
+    assert "<h2>What each side holds</h2>" in text and "<svg" in rank and "dim 1: 32:64 of 64" in rank
+    assert "dim 1: 0:64 of 64" in text.split("<th>reference</th>", 1)[1]
+    assert not re.search(r"(src|href)\s*=", text)

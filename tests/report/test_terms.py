@@ -6,7 +6,7 @@ from fractions import Fraction
 
 from shardproof.ir.graph import Location, Node
 from shardproof.relations.rules import Rules
-from shardproof.report.terms import describe, fraction, value_name
+from shardproof.report.terms import describe, fraction, region, value_name
 
 
 def test_a_region_of_a_named_tensor_reads_as_a_python_slice() -> None:
@@ -47,6 +47,15 @@ def test_a_value_is_named_by_the_variable_its_line_assigns() -> None:
     assert named("scores = torch.matmul(q, k)") == "`scores`"
     assert named("out[..., a:b] = local  # write the shard") == "`out[..., a:b]`"
     assert named("return self.down(x)  # BUG") == "`self.down(x)`"
+    assert named('"up.weight": ref["up.weight"].chunk(n, 0)[rank],') == 'the "up.weight" entry'
     assert value_name(Node(0, "mul", (), (), (), "float32", "mul_3")) == "the `mul` result"
     backward = Node(0, "sum", (), (), (), "float32", "sum_1", Location("model.py", 31, "y = self.norm(x)", backward=True))
     assert value_name(backward) == "the gradient flowing back through `y`"
+
+
+def test_a_region_is_the_part_of_a_whole_tensor() -> None:
+    r = Rules()
+    x, w = r.leaf("input:0", (6, 8), "float32"), r.leaf("state:up.weight", (64, 8), "float32")
+    product = r.build("matmul", (x, r.permute(w, (1, 0))), (), (6, 64), "float32")
+    found = region(r, "rank 0", r.slice(product, ((0, 6), (32, 64))))
+    assert (found.tensor, found.shape, found.box) == ("(inputs()[0] @ up.weight.T)", (6, 64), ((0, 6), (32, 64)))

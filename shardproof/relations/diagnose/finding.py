@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from shardproof.ir.graph import Node
+from shardproof.report.model import Region
 
 # The kinds of fault, as the JSON report names them (with `_` for spaces; shardproof/report/schema.json
 # lists the same). A new kind is added here, described in one line.
@@ -37,6 +38,7 @@ class Finding:
     scale: Fraction | None = None  # wrong scale, double counting: the factor on the reference value
     claim: str | None = None  # the claim (steps.Check label) found failing; None: the programs as a whole
     fix: str = ""  # one sentence of what to do, in the user's words
+    regions: list[Region] = field(default_factory=list)  # what each side holds where they diverge (report/terms.region)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

@@ -10,7 +10,7 @@ from shardproof.ir.ops import OPS
 from shardproof.relations.diagnose.agreement import LAYOUT_OPS
 from shardproof.relations.diagnose.finding import Finding
 from shardproof.relations.layout import reshape_groups
-from shardproof.report.terms import describe, line_of, value_name
+from shardproof.report.terms import describe, line_of, region, value_name
 
 
 class LayoutFaults:
@@ -123,6 +123,7 @@ class LayoutFaults:
             [(rank, culprit), (rank, node)],
             [match, self.reference[r_in]],
             fix=f"make {value_name(culprit)} at {line_of(culprit)} take rank {rank}'s own part of what the reference uses there",
+            regions=[region(self.r, f"rank {rank}", terms[d_in]), region(self.r, "reference", ref_terms[r_in])],
         )
 
     def _should_match(self, rank: int, node: Node) -> Node | None:
