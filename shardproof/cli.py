@@ -113,13 +113,17 @@ def _world_size(text: str) -> int:
 
 
 def _check_paths(args: argparse.Namespace) -> None:
-    """Before any work (and before torch is imported): the case file can be read, and every output
-    file can be written, so that a run never ends in a failed write."""
+    """Before any work (and before torch is imported): the inputs exist, and every output file can
+    be written, so that a run never ends in a failed write."""
     from shardproof.errors import UsageError
     from shardproof.paths import case_file
 
     if args.command == "verify" and args.case is not None:
         case_file(args.case)
+    for option in ("reference", "distributed", "relations") if args.command == "verify-graphs" else ():
+        target = getattr(args, option)
+        if target is not None and not Path(target).exists():
+            raise UsageError(f"--{option} {target}: not found")
     for option in ("json", "html"):
         target = getattr(args, option)
         if target is None:

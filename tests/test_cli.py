@@ -81,7 +81,10 @@ def test_discrepancy_json_lists_the_culprit_first(tmp_path: Path) -> None:
 def test_missing_all_reduce_in_a_new_case_is_found(tmp_path: Path, capsys) -> None:
     """A model never seen before: the row-parallel partial sum is returned unreduced."""
     assert main(["verify", _case(tmp_path, MLP), "--quiet"]) == 1
-    assert "missing reduction" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    line = _line_of(MLP, "return self.down")
+    assert "missing reduction" in out
+    assert f"fix: all-reduce `self.down(torch.relu(self.up(x)))` over ranks [0, 1] after line {line} of case.py" in out
 
 
 def test_the_same_case_with_its_all_reduce_is_proven(tmp_path: Path) -> None:
@@ -206,3 +209,11 @@ def test_version_and_module_entry_point() -> None:
         assert "shardproof" in done.stdout
     assert subprocess.run([sys.executable, "-m", "shardproof", "--version"], capture_output=True, text=True).stdout.strip() \
         == f"shardproof {metadata.version('shardproof')}"
+
+
+def test_graph_dumps_that_do_not_exist_are_named_before_any_work(tmp_path: Path, capsys) -> None:
+    (tmp_path / "ref.hlo").write_text("HloModule m\n")
+    args = ["verify-graphs", "--reference", str(tmp_path / "ref.hlo"), "--distributed", str(tmp_path / "ranks")]
+    assert main(args) == 2 and f"--distributed {tmp_path / 'ranks'}: not found" in capsys.readouterr().err
+    assert main([*args[:3], "--distributed", str(tmp_path), "--relations", "pins.json"]) == 2
+    assert "--relations pins.json: not found" in capsys.readouterr().err

@@ -24,5 +24,5 @@ def test_a_discrepancy_names_its_kind_claim_and_fix_with_paths_relative_to_the_w
     report = verify(CASES / "missing-allreduce_buggy.py").to_json()
     found = report["discrepancy"]
     assert found["kind"] == "missing_reduction" and found["claim"] == "output 0"
-    assert found["fix"].startswith("all-reduce `output_` after line")
+    assert found["fix"].startswith("all-reduce `output_` over ranks [0, 1] after line 56 of missing-allreduce_buggy.py")
     assert found["distributed"][0]["file"] == "tests/cases/missing-allreduce_buggy.py"

@@ -131,8 +131,7 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, OverlappingSha
                 f"`{node.op}` without an all-reduce",
                 [(rank, origin), (rank, node)] if origin is not None else [(rank, node)],
                 op=node.op,
-                fix=f"all-reduce {value_name(origin or node)} after {line_of(origin or node)}, before `{node.op}` "
-                f"at {line_of(node)} uses it",
+                fix=self._reduction_fix(rank, node, kind, consumer=node),
             )
         return self._wrong_operand(rank, node)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from shardproof.ir.graph import Node
 from shardproof.ir.ops import OPS
-from shardproof.relations.diagnose.agreement import LAYOUT_OPS
+from shardproof.relations.diagnose.agreement import LAYOUT_OPS, PIECES
 from shardproof.relations.diagnose.finding import Finding
 from shardproof.report.terms import line_of, placement, value_name
 
@@ -56,7 +56,7 @@ class MissingReductions:
             f"missing reduction: the output is still a {kind} (`{placement(kind)}`: each rank holds only its share); "
             "it needs an all-reduce",
             [(rank, origin)] if origin is not None else [(rank, node)],
-            fix=f"all-reduce {value_name(origin or node)} after {line_of(origin or node)}",
+            fix=self._reduction_fix(rank, node, kind),
         )
 
     def _added_after_reduction(self, rank: int, node: Node) -> tuple[Node, Node] | None:
@@ -86,6 +86,34 @@ class MissingReductions:
             if OPS[n.op].kind == "collective" and n.id not in used and terms[n.inputs[0]] in chain_terms:
                 return n
         return None
+
+    def _reduction_fix(self, rank: int, node: Node, kind: str, consumer: Node | None = None) -> str:
+        """"all-reduce `y` over ranks [0, 1] after line 31": the value to reduce where it is made,
+        over the ranks holding shares of the same sum (or max), before the op that needs it whole."""
+        origin = self._piece_origin(rank, node) or node
+        group = self._reduction_group(rank, origin)
+        over = f" over ranks {group}" if len(group) > 1 else ""
+        how = " with op=ReduceOp.MAX" if kind == "partial max" else ""
+        before = ""
+        if consumer is not None and line_of(consumer) != line_of(origin):
+            before = f", before `{consumer.op}` at {line_of(consumer)} uses it"
+        return f"all-reduce {value_name(origin)}{how}{over} after {line_of(origin)}{before}"
+
+    def _reduction_group(self, rank: int, node: Node) -> list[int]:
+        """The ranks whose value at `node` holds a share of the same sum (or max) as this rank's:
+        read at the same node of every rank whose program has the same op there."""
+        mine = self._summed(self.run.ranks[rank][node.id])
+        return [g.rank for g in self.ranks if node.id < len(g.nodes) and g[node.id].op == node.op
+                and mine & self._summed(self.run.ranks[g.rank][node.id])]
+
+    def _summed(self, t: int) -> set[int]:
+        """The sums (or maxes) over ranks that `t` holds a share of."""
+        term = self.r.u[t]
+        if term.op in PIECES:
+            return {term.args[0]}
+        if term.op in ("lin", "slice", "bcast", "repeat"):
+            return set().union(*(self._summed(a) for a in term.args))
+        return set()
 
     def _piece_origin(self, rank: int, node: Node) -> Node | None:
         """The op where the partial sum that reaches `node` unreduced was created (a contraction or
