@@ -22,9 +22,11 @@ from typing import Any, Callable, Iterator
 
 import torch.distributed._mesh_layout as mesh_layout
 import torch.distributed.device_mesh as device_mesh
+import torch.distributed.tensor._utils as dtensor_utils
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import _disable_current_modes
 
 _MESH_FILES = frozenset({device_mesh.__file__, mesh_layout.__file__})
 _SESSIONS = itertools.count(1)
@@ -66,3 +68,22 @@ def distinct_meshes() -> Iterator[None]:
         yield
     finally:
         DeviceMesh.__init__ = original
+
+
+@contextlib.contextmanager
+def real_shard_offsets() -> Iterator[None]:
+    """DTensor's shard offsets (`compute_local_shape_and_global_offset`, which a checkpoint loader
+    asks for each parameter) computed on real tensors: torch works them out with a few small int
+    tensors and reads one back with `int()`, a data-dependent read under fake mode. They are
+    metadata, so neither fake mode nor a tracer sees them."""
+    original = dtensor_utils._compute_local_shape_and_global_offset
+
+    def compute(*args: Any, **kwargs: Any) -> Any:
+        with _disable_current_modes():
+            return original(*args, **kwargs)
+
+    dtensor_utils._compute_local_shape_and_global_offset = compute
+    try:
+        yield
+    finally:
+        dtensor_utils._compute_local_shape_and_global_offset = original

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch._decomp import get_decompositions
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -27,7 +28,7 @@ from shardproof.capture import custom_ops
 from shardproof.capture.dispatch_trace import NotPlain, Traced, chain, record
 from shardproof.capture.hints import hint
 from shardproof.capture.locations import autograd_origins, every_user_frame, locator, user_frame
-from shardproof.capture.meshes import RealDeviceMeshes, distinct_meshes
+from shardproof.capture.meshes import RealDeviceMeshes, distinct_meshes, real_shard_offsets
 from shardproof.capture.symbolic_rank import symbolic_rank
 from shardproof.case import Case
 from shardproof.errors import CaptureError, CaseError, ShardproofError
@@ -124,7 +125,8 @@ class _Session:
 @contextlib.contextmanager
 def _session(case: Case, world_size: int, mode: str) -> Iterator[_Session]:
     # torch.compile'd code (torchtitan's FlexAttention) is traced as the eager code it compiles
-    with _fake_tensor_errors_unlogged(), torch.compiler.set_stance("force_eager"), FakeTensorMode(allow_non_fake_inputs=True):
+    with _fake_tensor_errors_unlogged(), torch.compiler.set_stance("force_eager"), _attention_as_math(), \
+            FakeTensorMode(allow_non_fake_inputs=True):
         with _process_group(0, world_size):
             ref_model, ref_state, on_meta = _reference(case, mode)
             ref_inputs = _build("inputs()", case.inputs)
@@ -135,6 +137,12 @@ def _session(case: Case, world_size: int, mode: str) -> Iterator[_Session]:
         names = [f"state:{n}" for n in ref_state] + [f"input:{i}" for i in range(len(ref_inputs))]
         tensors = [*ref_state.values(), *ref_inputs]
         yield _Session(case, world_size, program, ref_model, list(ref_state), tensors, names, on_meta)
+
+
+def _attention_as_math() -> contextlib.AbstractContextManager:
+    """`scaled_dot_product_attention` by its math path (matmuls, softmax): a fused kernel would be
+    one op whose backward is another, which no rule relates across a split of the heads."""
+    return sdpa_kernel([SDPBackend.MATH])
 
 
 @contextlib.contextmanager
@@ -344,9 +352,31 @@ def _trace(
         return gm or _loaded_then_fx(what, fn, leaves, loader)
 
     def lower(gm: Traced | fx.GraphModule, names: list[str], ops: list[str]) -> Graph:
+        _drop_unread(gm.graph)
         return Lowerer(gm, names, locator(gm), ops, _group_ranks, rank).run()
 
     return trace_with_memo(model, reduce_ops, trace, leaf_names, lower, program.differentiates, _decompositions())
+
+
+def _drop_unread(graph: fx.Graph) -> None:
+    """Remove what computes, from tensor constants alone, values nothing reads: the detach each of
+    a model's own tensors gets from a `state_dict()` call in a checkpoint loader, say. Those
+    tensors are constants to a tracer, some without a value (the model built on meta tensors),
+    and they take no part in what the program computes."""
+    for node in reversed(graph.nodes):
+        if node.users:
+            continue
+        if node.op == "get_attr" or node.op == "call_function" and _of_constants_only(node):
+            graph.erase_node(node)
+
+
+def _of_constants_only(node: fx.Node) -> bool:
+    """An op writing none of its arguments whose tensor inputs are all tensor constants."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or schema.is_mutable:
+        return False
+    inputs = node.all_input_nodes
+    return bool(inputs) and all(n.op == "get_attr" for n in inputs)
 
 
 def _give_up() -> None:
@@ -429,7 +459,7 @@ def _process_group(rank: int, world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        with distinct_meshes():
+        with distinct_meshes(), real_shard_offsets():
             yield
     finally:
         dist.destroy_process_group()

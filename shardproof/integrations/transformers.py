@@ -28,7 +28,6 @@ from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 from shardproof.case import Case
 from shardproof.errors import CaseError
@@ -37,6 +36,7 @@ from shardproof.state import module_state
 try:
     import transformers
     from transformers import AutoConfig, PretrainedConfig
+    from transformers import core_model_loading
     from transformers.core_model_loading import convert_and_load_state_dict_in_model
     from transformers.distributed import DistributedConfig
     from transformers.modeling_utils import LoadStateDictConfig
@@ -170,23 +170,27 @@ class _Builder:
         cls = self.model_class
         distributed_config = DistributedConfig(tp_size=world_size, tp_plan=self.tp_plan)
         distributed_config, _, mesh_manager = cls.prepare_distribute_model(distributed_config)
-        model = cls.maybe_distribute_model(self._on_meta(), distributed_config, mesh_manager)
+        model = cls.maybe_distribute_model(self._unloaded(), distributed_config, mesh_manager)
+        with _EXCLUSIVE:  # from_pretrained ties after loading; loading here keeps the ties
+            model.tie_weights(recompute_mapping=False)
         self.built.model = model
         return _returning_logits(model.train(self.train))
 
     def check_plan(self) -> None:
         """A plan naming what the model lacks fails here, before anything is traced."""
         try:
-            self._on_meta()._resolve_parallel_plans(DistributedConfig(tp_size=2, tp_plan=self.tp_plan))
+            self._unloaded()._resolve_parallel_plans(DistributedConfig(tp_size=2, tp_plan=self.tp_plan))
         except ValueError as err:
             raise CaseError(f"the TP plan does not fit {self.model_class.__name__}: {err}") from err
 
-    def _on_meta(self) -> torch.nn.Module:
-        """The model as `from_pretrained` makes it before distributing and loading: on meta tensors, untied."""
+    def _unloaded(self) -> torch.nn.Module:
+        """The model as `from_pretrained` makes it before distributing and loading (untied, in its
+        dtype), on the device in force rather than on meta tensors: capture makes it on fake ones."""
         cls = self.model_class
         with _EXCLUSIVE, contextlib.ExitStack() as stack:
             for context in cls.get_init_context(self.config.dtype or torch.get_default_dtype(), False, False, None):
-                stack.enter_context(context)
+                if not isinstance(context, torch.device):
+                    stack.enter_context(context)
             return cls(copy.deepcopy(self.config))
 
     def shard_state(self, ref_state: dict[str, torch.Tensor], rank: int, world_size: int) -> dict[str, torch.Tensor]:
@@ -194,23 +198,18 @@ class _Builder:
         model = getattr(self.built, "model", None)
         if model is None:
             raise CaseError("shard_state runs after distributed() built this rank's model")
-        saved = set(model.state_dict()) - set(model.all_tied_weights_keys)
+        saved = set(model.state_dict(keep_vars=True)) - set(model.all_tied_weights_keys)
         load_config = LoadStateDictConfig(dtype=model.dtype, device_mesh=model._device_mesh)
-        with _EXCLUSIVE, _loading_in_this_thread():
+        with _EXCLUSIVE, _loading_in_this_thread(), _values_set() as values, _state_kept(model):
             info, _ = convert_and_load_state_dict_in_model(model, {n: ref_state[n] for n in saved}, load_config)
             model.tie_weights(missing_keys=info.missing_keys, recompute_mapping=False)
+            held = module_state(model)
         if info.missing_keys or info.mismatched_keys or info.unexpected_keys:
             raise CaseError(f"loading the reference's checkpoint left missing {sorted(info.missing_keys)[:5]}, "
                             f"mismatched {sorted(info.mismatched_keys)[:5]}, unexpected {sorted(info.unexpected_keys)[:5]}")
+        loaded = {id(held[name]): value for name, value in values.items()}  # tied names hold one tensor
         computed = {name for name, _ in model.named_non_persistent_buffers()}
-        local: dict[int, torch.Tensor] = {}  # tied parameters stay one tensor
-        state = {}
-        for name, tensor in module_state(model).items():
-            if name in computed:
-                state[name] = ref_state[name]
-            else:
-                state[name] = local.setdefault(id(tensor), tensor.to_local() if isinstance(tensor, DTensor) else tensor)
-        return state
+        return {name: ref_state[name] if name in computed else loaded[id(tensor)] for name, tensor in held.items()}
 
 
 def _returning_logits(model: torch.nn.Module) -> torch.nn.Module:
@@ -244,3 +243,35 @@ def _loading_in_this_thread() -> Iterator[None]:
 
 
 _ASYNC_LOAD = "HF_DEACTIVATE_ASYNC_LOAD"
+
+
+@contextlib.contextmanager
+def _state_kept(model: torch.nn.Module) -> Iterator[None]:
+    """The model's own tensors put back after loading: every load (the parameters, then the
+    reference gradients in training) starts from the placeholders `from_pretrained` loads into."""
+    kept = [(module, dict(module._parameters), dict(module._buffers)) for module in model.modules()]
+    try:
+        yield
+    finally:
+        for module, parameters, buffers in kept:
+            module._parameters.update(parameters)
+            module._buffers.update(buffers)
+
+
+@contextlib.contextmanager
+def _values_set() -> Iterator[dict[str, torch.Tensor]]:
+    """The value transformers' loader sets for each name, before `set_param_for_module` wraps it in
+    an `nn.Parameter`: that wrapping issues no op, so a tracer would take the parameter for a
+    constant, not for the slice of the reference it is."""
+    values: dict[str, torch.Tensor] = {}
+    original = core_model_loading.set_param_for_module
+
+    def set_param_for_module(model: torch.nn.Module, target_name: str, param_value: torch.Tensor, *args: Any) -> None:
+        values[target_name] = param_value
+        original(model, target_name, param_value, *args)
+
+    core_model_loading.set_param_for_module = set_param_for_module
+    try:
+        yield values
+    finally:
+        core_model_loading.set_param_for_module = original

@@ -258,3 +258,18 @@ def test_input_gradient_of_a_batch_of_one_sums_over_the_fused_parts():
     b.check(y)
     parts = [b.op("matmul", b.view(gate, (3, 2)), b.sl(w, 0, 0, 2)), b.op("matmul", b.view(up, (3, 4)), b.sl(w, 0, 2, 6))]
     assert y.term == b.add(*parts).term
+
+
+@pytest.mark.parametrize("zero_side", [0, 1])
+def test_a_matmul_with_a_zero_operand_is_zero(zero_side: int) -> None:
+    """Over any other operand, sliced or whole: the padding of a sliced gradient (`logits[:, :-1]`)
+    times each rank's weight shard sums to the padding times the whole weight."""
+    b = Build()
+    zeros, w = b.scalar(0.0, (2, 3, 4)), b.leaf("w", (4, 5))
+    operands = [zeros, w] if zero_side == 0 else [b.leaf("x", (5, 2)), b.scalar(0.0, (2, 3))]
+    y = b.op("matmul", *operands)
+    b.check(y)
+    assert b.r.full_value(y.term) == 0
+    if zero_side == 0:
+        shards = [b.op("matmul", b.sl(zeros, 2, lo, lo + 2), b.sl(w, 0, lo, lo + 2)) for lo in (0, 2)]
+        assert b.op("add", *shards).term == y.term

@@ -97,6 +97,10 @@ def div(r: Rules, args, attrs, shape, dtype) -> int:
 
 def matmul(r: Rules, op: str, args, attrs, shape, dtype) -> int:
     a, b = args
+    if dtype in FLOAT_DTYPES and 0 in (r.full_value(a), r.full_value(b)):
+        # zeros times anything: the zeros a slice's backward pads its gradient with, through a
+        # column-parallel layer's input gradient, are one zero product, not one per weight shard
+        return r.literal("full", (), (0.0,), shape, dtype)
     ta = r.u[a]
     if ta.op == "permute" and ta.attrs[0][-1] == len(ta.shape) - 1 and len(r.shape(b)) == 2:
         inner = ta.args[0]  # rows permuted, contraction dim in place: permute the product instead
