@@ -6,6 +6,10 @@ graph and its bugs are found too) and on real tensors in the numeric oracle.
 
 from __future__ import annotations
 
+import inspect
+import re
+from pathlib import Path
+
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
@@ -42,7 +46,7 @@ def local_shards(
         if missing:
             raise CaseError(f"shard_state did not return these tensors of the distributed model: {missing[:5]}")
         return {name: local[name] for name in wanted}
-    return {name: _infer_shard(name, held, ref_state, rank, world_size) for name, held in wanted.items()}
+    return {name: _infer_shard(name, held, ref_state, rank, world_size, dist_model) for name, held in wanted.items()}
 
 
 def as_model_holds(local: dict[str, torch.Tensor], dist_model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -59,7 +63,7 @@ def rank_inputs(case: Case, ref_inputs: tuple, rank: int, world_size: int) -> tu
 
 
 def _infer_shard(
-    name: str, held: torch.Tensor, ref_state: dict[str, torch.Tensor], rank: int, world_size: int
+    name: str, held: torch.Tensor, ref_state: dict[str, torch.Tensor], rank: int, world_size: int, model: torch.nn.Module
 ) -> torch.Tensor:
     """Default loader: same name in the reference; the layout from DTensor placements, or from the
     shapes by the rule the graph importers start from (`layouts.plain_layout`)."""
@@ -74,13 +78,31 @@ def _infer_shard(
     layout = plain_layout(tuple(full.shape), tuple(held.shape), world_size)
     if layout is None:
         indivisible = [f"{f} (dim {d})" for d, (f, h) in enumerate(zip(full.shape, held.shape)) if f != h and f % world_size]
-        why = f": {', '.join(indivisible)} is not divisible by world size {world_size}" if indivisible else ""
+        why = f": {', '.join(indivisible)} is not divisible by world size {world_size}{_built_at(model, name)}" if indivisible else ""
         raise CaseError(
             f"cannot infer how `{name}` {tuple(held.shape)} is cut from the reference {tuple(full.shape)} "
             f"at world size {world_size}{why}. Use a world size that divides it, or define "
             "shard_state(ref_state, rank, world_size) in the case file."
         )
     return take(full, layout, rank, world_size)
+
+
+def _built_at(model: torch.nn.Module, name: str) -> str:
+    """` (built at model.py:12)`: the line of a class's code that assigns the module holding tensor
+    `name` (`self.up = nn.Linear(...)` for `up.weight`), or the tensor itself (`self.weight = ...`);
+    "" where no such line is found."""
+    path = name.split(".")
+    for owner, attribute in ((path[:-2], path[-2]), (path[:-1], path[-1])) if len(path) > 1 else (([], path[0]),):
+        try:
+            cls = type(model.get_submodule(".".join(owner)))
+            lines, first = inspect.getsourcelines(cls)
+            source = inspect.getsourcefile(cls)
+        except (AttributeError, OSError, TypeError):
+            continue
+        for offset, line in enumerate(lines):
+            if re.match(rf"\s*self\.{re.escape(attribute)}\s*(:[^=]*)?=[^=]", line):
+                return f" (built at {Path(source).name}:{first + offset})"
+    return ""
 
 
 def _dtensor_local(full: torch.Tensor, held: DTensor, rank: int) -> torch.Tensor:

@@ -149,7 +149,8 @@ def test_a_size_the_world_size_does_not_divide_is_named(tmp_path: Path, capsys) 
     16 // 3 rows each, one row is lost: a real discrepancy, whose likelier fix is the world size."""
     unloaded = MLP[: MLP.index("def shard_state")] + MLP[MLP.index("def inputs") :]
     assert main(["verify", _case(tmp_path, unloaded), "--quiet", "--world-size", "3"]) == 2
-    assert "16 (dim 0) is not divisible by world size 3" in capsys.readouterr().err
+    built = _line_of(unloaded, "self.up = ")
+    assert f"16 (dim 0) is not divisible by world size 3 (built at case.py:{built})" in capsys.readouterr().err
     narrowed = REDUCED.replace('return {"up.weight": ref["up.weight"].chunk(n, 0)[rank], "down.weight": ref["down.weight"].chunk(n, 1)[rank]}',
                                'k = 16 // n\n    return {"up.weight": ref["up.weight"][rank * k:(rank + 1) * k], '
                                '"down.weight": ref["down.weight"][:, rank * k:(rank + 1) * k]}')
