@@ -7,6 +7,8 @@ op a program reaches keeps its torch identity: the node's op is the overload's n
 about it comes from torch's own tags, never from a list of names:
 - `pointwise`: elementwise laws (it commutes with slices, concatenations, broadcasts, reshapes);
 - `reduction` with a `dim` argument: it commutes with the layouts of the dims it keeps;
+- (by a table, no tag says it) views reading each leading index on its own (`view_as_complex`,
+  `view_as_real`): they commute with the layouts of those leading dims;
 - `nondeterministic_seeded` (a random draw): equal to nothing, not even another draw of itself;
 - anything else: congruence only (the same op on equal arguments gives equal results).
 """
@@ -20,7 +22,12 @@ from typing import Any, Callable
 import torch
 
 # The kinds an open op can have (see the module docstring); `shardproof.relations` has a rule per kind.
-POINTWISE, REDUCTION, RANDOM, OPAQUE = "pointwise", "reduction", "random", "opaque"
+POINTWISE, REDUCTION, LEADING, RANDOM, OPAQUE = "pointwise", "reduction", "leading", "random", "opaque"
+
+# Views that fold trailing dims of their input into each element or unfold elements into trailing
+# dims, reading every leading index on its own (no tag says so): the number of trailing input dims
+# each consumes. A complex tensor viewed as real pairs is the one case torch has.
+_TRAILING_CONSUMED = {"aten.view_as_complex.default": 1, "aten.view_as_real.default": 0}
 
 
 @dataclass(frozen=True)
@@ -55,6 +62,8 @@ def overload(op: str) -> Any:
 def kind(op: str) -> str:
     target = overload(op)
     tags = set(target.tags)
+    if op in _TRAILING_CONSUMED:
+        return LEADING
     if torch.Tag.nondeterministic_seeded in tags:
         return RANDOM
     if torch.Tag.pointwise in tags:
@@ -91,6 +100,22 @@ def run(op: str, tensors: list[torch.Tensor], attrs: Attrs) -> torch.Tensor:
     for index in path:
         out = out[index]
     return out
+
+
+def leading_dims(op: str, rank: int) -> int:
+    """How many leading dims of its input a `LEADING` op keeps, each read index by index."""
+    return rank - _TRAILING_CONSUMED[op]
+
+
+def output_shape(op: str, attrs: Attrs, inputs: tuple[tuple[tuple[int, ...], str], ...]) -> tuple[int, ...]:
+    """The shape an open op gives inputs of these (shape, dtype): torch's meta kernel says."""
+    return _output_shape(op, attrs, inputs)
+
+
+@functools.lru_cache(maxsize=4096)
+def _output_shape(op: str, attrs: Attrs, inputs: tuple[tuple[tuple[int, ...], str], ...]) -> tuple[int, ...]:
+    tensors = [torch.empty(shape, dtype=getattr(torch, dtype), device="meta") for shape, dtype in inputs]
+    return tuple(run(op, tensors, attrs).shape)
 
 
 def reduced_dims(op: str, attrs: Attrs, rank: int) -> tuple[tuple[int, ...], bool]:

@@ -652,11 +652,20 @@ def _slice_backward(lo: Lowerer, grad, input_sizes: list[int], dim: int, start: 
 
 def _select_backward(lo: Lowerer, grad, input_sizes: list[int], dim: int, index: int) -> int:
     value = lo.tensor(grad)
-    dim = _dim(dim, len(input_sizes))
-    index = index + input_sizes[dim] if index < 0 else index
-    shape = tuple(input_sizes[:dim]) + (1,) + tuple(input_sizes[dim + 1 :])
-    row = lo.emit("view", (value,), (shape,), shape, lo.dtype(value))
-    return _written_over(lo, _zeros(lo, input_sizes, value), row, dim, index, index + 1)
+    return _row_written(lo, _zeros(lo, input_sizes, value), value, dim, index)
+
+
+def _select_scatter(lo: Lowerer, base, src, dim: int, index: int) -> int:
+    return _row_written(lo, lo.tensor(base), lo.tensor(src), dim, index)
+
+
+def _row_written(lo: Lowerer, base: int, row: int, dim: int, index: int) -> int:
+    """`base` with its `index`-th entry along `dim` replaced by `row` (which lacks that dim)."""
+    shape = lo.shape(base)
+    dim = _dim(dim, len(shape))
+    index = index + shape[dim] if index < 0 else index
+    one = shape[:dim] + (1,) + shape[dim + 1 :]
+    return _written_over(lo, base, lo.emit("view", (row,), (one,), one, lo.dtype(row)), dim, index, index + 1, 1)
 
 
 def _written_over(lo: Lowerer, base: int, src: int, dim: int, start: int | None, end: int | None, step: int) -> int:
@@ -1254,6 +1263,7 @@ _LOWER: dict[str, Callable[..., Value]] = {
     "aten.slice_scatter": _slice_scatter,
     "aten.slice_backward": _slice_backward,
     "aten.select_backward": _select_backward,
+    "aten.select_scatter": _select_scatter,
     "aten.select": _select,
     "aten.split": _split,
     "aten.split_with_sizes": _split_sizes,

@@ -1,7 +1,8 @@
 """Programs reaching ops nobody wrote a rule for verify: torch's decompositions (SDPA's math path,
 `_safe_softmax`), open ops by their tags (a tensor exponent, `cumsum` masks computed alike on every
-rank), hand lowerings declining to the open path (strided slices); and a bug among them is still
-found where it is. Each verdict agrees with the numeric oracle."""
+rank), hand lowerings declining to the open path (strided slices), complex numbers (a rotary
+embedding as complex products); and a bug among them is still found. Each verdict agrees with
+the numeric oracle."""
 
 from __future__ import annotations
 
@@ -60,6 +61,18 @@ def inputs():
     return (torch.randn(2, SEQ, HIDDEN),)
 '''
 
+COMPLEX_ROTARY = ATTENTION.replace('''    def rotate(self, x):
+        angles = 10000.0 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM)
+        even, odd = x[..., ::2], x[..., 1::2]
+        return x * angles.repeat_interleave(2).cos() + torch.stack([-odd, even], -1).flatten(-2)
+''', '''    def rotate(self, x):
+        """torchtitan's complex RoPE: adjacent pairs as complex numbers times a complex cache."""
+        b, h, s, d = x.shape
+        angles = torch.outer(torch.arange(SEQ).float(), 1.0 / 10000.0 ** (torch.arange(0, d, 2).float() / d))
+        cache = torch.polar(torch.ones_like(angles), angles)[0:s].view(1, 1, s, d // 2)
+        return torch.view_as_real(torch.view_as_complex(x.float().reshape(b, h, s, -1, 2)) * cache).flatten(3)
+''')
+
 SWAPPED_PAIRS = "even, odd = x[..., 1::2], x[..., ::2]  # BUG: on the ranks only"
 
 
@@ -77,9 +90,11 @@ def _buggy() -> str:
     return text.replace("q = self.rotate(q)", "q = self.rotate(q, swap=self.heads != HEADS)")
 
 
+@pytest.mark.parametrize("text", [ATTENTION, COMPLEX_ROTARY], ids=["interleaved-rotary", "complex-rotary"])
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_attention_through_decompositions_and_open_ops_is_proven(tmp_path: Path, world_size: int) -> None:
-    path = _case(tmp_path, ATTENTION)
+def test_attention_through_decompositions_and_open_ops_is_proven(tmp_path: Path, world_size: int, text: str) -> None:
+    assert COMPLEX_ROTARY != ATTENTION
+    path = _case(tmp_path, text)
     report = verify(path, world_size=world_size)
     assert run_numeric(load_case(path), world_size).agree
     assert report.verdict == "equivalent", report.diagnosis

@@ -139,3 +139,21 @@ def test_opaque_ops_are_equal_on_equal_operands_only() -> None:
     sliced = _open(b, "aten.cumsum.default", b.sl(x, 0, 0, 2), extra=(1,))
     b.check(sliced)
     assert other_dim.term != first.term and not b.is_slice_of(sliced, first)
+
+
+def test_complex_views_commute_with_layouts_of_their_leading_dims() -> None:
+    """A complex tensor viewed from real pairs and back (a complex rotary embedding): a rank's heads
+    of the pairs are those heads of the complex view, and the two views undo each other."""
+    b = Build()
+    x = b.leaf("x", (2, 4, 3, 2))
+    whole = _open(b, "aten.view_as_complex.default", x)
+    heads = _open(b, "aten.view_as_complex.default", b.sl(x, 1, 0, 2))
+    b.check(heads)
+    assert b.is_slice_of(heads, whole)
+    rotated = b.op("mul", heads, b.sl(whole, 1, 2, 4))
+    pairs = _open(b, "aten.view_as_real.default", rotated)
+    b.check(pairs)
+    joined = _open(b, "aten.view_as_complex.default", b.cat([b.sl(x, 1, 0, 2), b.leaf("y", (2, 2, 3, 2))], 1))
+    b.check(joined)
+    assert b.u[joined.term].op == "cat"
+    assert _open(b, "aten.view_as_real.default", whole).term == x.term

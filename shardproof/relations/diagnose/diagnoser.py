@@ -9,7 +9,7 @@ from fractions import Fraction
 
 from shardproof.ir.graph import Graph, Node
 from shardproof.ir.ops import OPS
-from shardproof.relations.diagnose.agreement import PIECES, grounded
+from shardproof.relations.diagnose.agreement import LAYOUT_OPS, PIECES, grounded
 from shardproof.relations.diagnose.collectives import CollectiveFaults
 from shardproof.relations.diagnose.finding import Finding
 from shardproof.relations.diagnose.missing_reduction import MissingReductions
@@ -77,7 +77,7 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, OverlappingSha
                 return self._at_collective(rank, node)
             # a partial sum consumed along the chain is a fault by itself; other divergences may
             # be its consequences (a max's gradient through the unreduced sum, say)
-            consumer = next((n for n in chain if self._partial_inputs(rank, n)), None)
+            consumer = next((n for n in chain if self._partial_inputs(rank, n) and not self._linear_in_partials(rank, n)), None)
             if consumer is None:
                 skipped = skipped_backward(self.run, self.reference, self.ranks[rank], chain)
                 if skipped is not None:
@@ -87,6 +87,24 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, OverlappingSha
         rank, index = mismatched_outputs[0]
         node = self.ranks[rank][self.ranks[rank].outputs[index]]
         return self._at_output(rank, node)
+
+    def _linear_in_partials(self, rank: int, node: Node) -> bool:
+        """Whether `node` maps shares of a sum to shares of its result (moving elements, adding shares,
+        scaling by or multiplying with values every rank holds whole, a collective): a partial sum
+        may pass it on its way to an all-reduce (a row-parallel output reshaped first). For a
+        `max_piece` only moving elements does."""
+        if OPS[node.op].kind == "collective":
+            return True
+        if not self.partial(self.run.ranks[rank][node.id]):
+            return False  # the share went into a value no rule carries it through: used as if whole
+        if node.op in LAYOUT_OPS:
+            return True
+        partial = [i for i in node.inputs if self.partial(self.run.ranks[rank][i])]
+        if self.partial_kind([self.run.ranks[rank][i] for i in partial]) != "partial sum":
+            return False
+        if node.op in ("neg", "sum") or (node.op == "add" and len(partial) == len(node.inputs)):
+            return True  # (a share added to a value held whole is counted once per rank: a fault)
+        return node.op in ("mul", "matmul") and len(partial) == 1 or (node.op == "div" and partial == [node.inputs[0]])
 
     def _bad(self, rank: int, node: Node) -> bool:
         if node.op in ("leaf", "const"):

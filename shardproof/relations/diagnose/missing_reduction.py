@@ -4,6 +4,8 @@ all-reduce, and the op that created it. A part of `Diagnoser`.
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 from shardproof.ir.graph import Node
 from shardproof.ir.ops import OPS
 from shardproof.relations.diagnose.agreement import LAYOUT_OPS, PIECES
@@ -15,9 +17,24 @@ class MissingReductions:
     """Partial sums reaching an op or an output unreduced."""
 
     def _partial_inputs(self, rank: int, node: Node) -> list[int]:
-        """The terms of `node`'s operands that are partial sums (or maxes) over ranks."""
+        """The terms of `node`'s operands that are partial sums (or maxes) over ranks: their pieces
+        are shares that the other ranks complete, not the pieces of a contraction this rank got
+        wrong by itself (its operands paired differently from the reference's)."""
         terms = self.run.ranks[rank]
-        return [terms[i] for i in node.inputs if self.partial(terms[i])]
+        return [terms[i] for i in node.inputs if self.partial(terms[i]) and self._completed_over_ranks(i)]
+
+    def _completed_over_ranks(self, node_id: int) -> bool:
+        """Whether the ranks' values at `node_id`, summed (or, for max pieces, maxed), hold no
+        piece; true where the ranks' programs differ there (nothing to combine: the pieces are
+        taken as shares)."""
+        held = []
+        for graph in self.ranks:
+            if node_id >= len(graph.nodes) or graph[node_id].op != self.ranks[0][node_id].op:
+                return True
+            held.append(self.run.ranks[graph.rank][node_id])
+        if self.partial_kind(held) == "partial max":
+            return not self.partial(self.r.maximum(held))
+        return not self.partial(self.r.lin([(t, Fraction(1)) for t in held]))
 
     def _unreduced_output(self, rank: int, node: Node) -> Finding:
         """A partial sum reaches an output: where did it miss its reduction? Added to a sum that was

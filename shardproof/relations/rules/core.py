@@ -123,5 +123,6 @@ _BY_KIND: dict[str, Callable[..., int]] = {
     # open ops (ir/aten_ops.py), by the tags torch gives them
     "pointwise": elementwise.elementwise,
     "reduction": reductions.open_reduction,
+    "leading": reductions.leading,
     "opaque": lambda r, op, args, attrs, shape, dtype: r.literal(op, args, attrs, shape, dtype),  # congruence
 }

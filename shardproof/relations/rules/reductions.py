@@ -9,7 +9,7 @@ import math
 from fractions import Fraction
 from typing import TYPE_CHECKING, Callable
 
-from shardproof.ir.aten_ops import reduced_dims
+from shardproof.ir.aten_ops import leading_dims, output_shape, reduced_dims
 from shardproof.relations.layout import reshape_groups
 from shardproof.relations.rules.elementwise import elementwise
 from shardproof.relations.rules.linear import LinearRules
@@ -116,24 +116,52 @@ def _reduce_through_view(r: Rules, op: str, x: int, dims: tuple[int, ...], shape
 def open_reduction(r: Rules, op: str, args, attrs, shape, dtype) -> int:
     """A reduction torch tags as one (`all`, `argmax`, `logsumexp`, `var`, ...; ir/aten_ops.py)
     reduces each fiber along its dims on its own, so it commutes with the layouts of the dims it
-    keeps: over a slice or concatenation along kept dims it is that slice or concatenation of the
-    reduction of the whole."""
+    keeps."""
     x = args[0]
     dims, keepdim = reduced_dims(op, attrs, len(r.shape(x)))
+    kept = [d for d in range(len(r.shape(x))) if d not in dims]
+    out_dims = {d: (d if keepdim else i) for i, d in enumerate(kept)}
+    found = through_kept_dims(r, op, args, attrs, dtype, out_dims) if len(args) == 1 else None
+    return found if found is not None else r.literal(op, args, attrs, shape, dtype)
 
-    def reduced(t: int) -> tuple[int, ...]:
-        return tuple(1 if d in dims else n for d, n in enumerate(r.shape(t)) if keepdim or d not in dims)
 
-    if len(args) == 1:
-        root, box = r.as_region(x)
-        if root != x and all(box[d] == (0, r.shape(root)[d]) for d in dims):
-            kept = tuple((0, 1) if d in dims else b for d, b in enumerate(box) if keepdim or d not in dims)
-            return r.slice(r.build(op, (root,), attrs, reduced(root), dtype), kept)
-        term = r.u[x]
-        if term.op == "cat" and term.attrs[0] not in dims:
-            dim = term.attrs[0] - (0 if keepdim else sum(d < term.attrs[0] for d in dims))
-            return r.cat([r.build(op, (p,), attrs, reduced(p), dtype) for p in term.args], dim)
+def leading(r: Rules, op: str, args, attrs, shape, dtype) -> int:
+    """A view reading each index of its input's leading dims on its own (a complex tensor as real
+    pairs and back) commutes with the layouts of those dims."""
+    out_dims = {d: d for d in range(leading_dims(op, len(r.shape(args[0]))))}
+    found = through_kept_dims(r, op, args, attrs, dtype, out_dims)
+    if found is not None:
+        return found
+    inner = r.u[args[0]]
+    if inner.op in _TRAILING_INVERSES.get(op, ()) and r.shape(inner.args[0]) == shape:
+        return inner.args[0]  # view_as_real(view_as_complex(x)) is x, and the other way round
     return r.literal(op, args, attrs, shape, dtype)
+
+
+_TRAILING_INVERSES = {"aten.view_as_real.default": ("aten.view_as_complex.default",),
+                      "aten.view_as_complex.default": ("aten.view_as_real.default",)}
+
+
+def through_kept_dims(r: Rules, op: str, args, attrs, dtype: str, kept: dict[int, int]) -> int | None:
+    """op(x) for x a region, or a concatenation, along dims the op keeps (input dim -> output dim),
+    every other dim whole: that region or concatenation of op of the whole (its shape as torch's
+    meta kernel gives it); None when x is neither."""
+    x = args[0]
+
+    def out_shape(t: int) -> tuple[int, ...]:
+        return output_shape(op, attrs, ((r.shape(t), r.u[t].dtype),))
+
+    root, box = r.as_region(x)
+    if root != x and all(box[d] == (0, r.shape(root)[d]) for d in range(len(box)) if d not in kept):
+        whole = out_shape(root)
+        region = [(0, n) for n in whole]
+        for d, o in kept.items():
+            region[o] = box[d]
+        return r.slice(r.build(op, (root,), attrs, whole, dtype), tuple(region))
+    term = r.u[x]
+    if term.op == "cat" and term.attrs[0] in kept:
+        return r.cat([r.build(op, (p,), attrs, out_shape(p), dtype) for p in term.args], kept[term.attrs[0]])
+    return None
 
 
 def softmax(r: Rules, op: str, args, attrs, shape, dtype) -> int:
