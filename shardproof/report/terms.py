@@ -12,9 +12,9 @@ until it is given a form of its own below.
 from __future__ import annotations
 
 import re
-from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
+from shardproof.ir.aten_ops import Operand, is_open
 from shardproof.report.model import Region
 
 if TYPE_CHECKING:
@@ -34,12 +34,8 @@ def describe(u: Universe, t: int, depth: int = 3) -> str:
 
 
 def fraction(value: Any) -> str:
-    """A number as a person writes it: 1/4, -1, 0.5, never Fraction(1, 4)."""
-    if isinstance(value, Fraction):
-        return str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator}"
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))
-    return str(value)
+    """A number as a person writes it: 1/4, -1, 0.5, 2 (not 2.0), never Fraction(1, 4)."""
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
 
 
 def region(rules: Rules, side: str, t: int) -> Region:
@@ -91,9 +87,26 @@ def _text(u: Universe, t: int, depth: int) -> tuple[str, int]:
         return form(u, term, args)
     if term.op in INFIX and len(args) == 2:
         return f"{_wrapped(args[0], PRODUCT)} {INFIX[term.op]} {_wrapped(args[1], ATOM)}", PRODUCT
-    name = term.op.split(".")[1] if "." in term.op else term.op
+    if is_open(term.op):
+        return _open(term, [text for text, _ in args]), ATOM
     inner = [text for text, _ in args] + [_attr(a) for a in term.attrs if a != ()]
-    return f"torch.{name}({', '.join(inner)})", ATOM
+    return f"torch.{term.op}({', '.join(inner)})", ATOM
+
+
+def _open(term: Any, args: list[str]) -> str:
+    """An open op (ir/aten_ops.py) as its call: `torch.cumsum(x, 1)`, its argument template with
+    the operands written in, then the output it is (`[0]`)."""
+    template, kwargs, path = term.attrs
+
+    def fill(value: Any) -> str:
+        if isinstance(value, Operand):
+            return args[value.index] if value.index < len(args) else "…"
+        if isinstance(value, (list, tuple)) and any(isinstance(v, Operand) for v in value):
+            return "[" + ", ".join(fill(v) for v in value) + "]"
+        return _attr(value)
+
+    inner = [fill(a) for a in template] + [f"{k}={fill(v)}" for k, v in kwargs]
+    return f"torch.{term.op.split('.')[1]}({', '.join(inner)})" + "".join(f"[{i}]" for i in path)
 
 
 def _wrapped(text: tuple[str, int], allowed: int) -> str:
@@ -156,7 +169,7 @@ def _lin(u: Universe, term: Any, args: list) -> tuple[str, int]:
         negative = coefficient < 0
         size = -coefficient if negative else coefficient
         scaled = _wrapped((text, precedence), SUM if size == 1 else ATOM)
-        scaled = scaled if size == 1 else f"{fraction(Fraction(size))} * {scaled}"
+        scaled = scaled if size == 1 else f"{fraction(size)} * {scaled}"
         out += (" - " if negative else " + ") + scaled if out else ("-" if negative else "") + scaled
     return out, SUM
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+from shardproof.ir.aten_ops import Operand
 from shardproof.ir.graph import Location, Node
 from shardproof.relations.rules import Rules
 from shardproof.report.terms import describe, fraction, region, value_name
@@ -59,3 +60,11 @@ def test_a_region_is_the_part_of_a_whole_tensor() -> None:
     product = r.build("matmul", (x, r.permute(w, (1, 0))), (), (6, 64), "float32")
     found = region(r, "rank 0", r.slice(product, ((0, 6), (32, 64))))
     assert (found.tensor, found.shape, found.box) == ("(inputs()[0] @ up.weight.T)", (6, 64), ((0, 6), (32, 64)))
+
+
+def test_an_open_op_reads_as_its_torch_call() -> None:
+    r = Rules()
+    x = r.leaf("input:0", (4, 6), "float32")
+    attrs = ((Operand(0), 1), (("dtype", None),), ())
+    cumsum = r.literal("aten.cumsum.default", (x,), attrs, (4, 6), "float32")
+    assert describe(r.u, cumsum) == "torch.cumsum(inputs()[0], 1, dtype=None)"
