@@ -33,6 +33,7 @@ from torch.testing._internal.distributed.multi_threaded_pg import (
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from shardproof.capture.hops import is_higher_order, through_dense
 from shardproof.case import Case
 from shardproof.errors import CaseError
 from shardproof.programs import Check, NumericResult, Output
@@ -99,7 +100,11 @@ class _RealFloats(TorchDispatchMode):
     as the identity (equivalence over the reals), so a bf16 model with fp32 master weights is
     judged by its arithmetic, not by its rounding."""
 
+    supports_higher_order_operators = True  # computed through their dense implementation (capture/hops)
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if is_higher_order(func):
+            return through_dense(self, func, args, kwargs or {})
         args = tuple(_real(a) for a in args)
         kwargs = {k: _real(v) for k, v in (kwargs or {}).items()}
         return _IN_FLOAT64.get(func, func)(*args, **kwargs)

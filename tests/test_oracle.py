@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from shardproof.case import Case
 from shardproof.oracle import run_numeric
@@ -205,3 +206,28 @@ def test_grouped_mm_runs_in_float64_as_torch_runs_it_in_float32(a_shape: tuple, 
     a, b, offs = torch.randn(a_shape), torch.randn(b_shape), torch.tensor(ends, dtype=torch.int32)
     expected = torch._grouped_mm(a, b, offs=offs)
     assert torch.allclose(_grouped_mm(a.double(), b.double(), offs).float(), expected, atol=1e-5)
+
+
+class FlexHeads(nn.Module):
+    """FlexAttention (a higher-order op, compiled as torchtitan compiles it) over a rank's heads."""
+
+    attend = staticmethod(torch.compile(flex_attention))
+
+    def __init__(self, heads: int = 4, causal: bool = True):
+        super().__init__()
+        self.q = nn.Linear(HIDDEN, heads * 2, bias=False)
+        self.heads, self.causal = heads, causal
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.heads, 2).transpose(1, 2)
+        mask = create_block_mask(lambda b, h, i, j: (i >= j) | (not self.causal), None, None, s, s, device="cpu")
+        return FlexHeads.attend(q, q, q, block_mask=mask).transpose(1, 2).reshape(b, s, -1)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_flex_attention_runs_its_dense_math_in_float64(causal: bool) -> None:
+    """Ranks holding half the heads agree with the reference; a rank masking differently does not."""
+    case = Case(FlexHeads, lambda rank, n: FlexHeads(4 // n, causal or rank == 0), lambda: (torch.randn(1, 4, HIDDEN),),
+                output=("shard", 2))
+    assert run_numeric(case, 2).agree == causal

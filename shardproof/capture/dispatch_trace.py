@@ -20,14 +20,13 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
-from torch._C import DispatchKey
-from torch._ops import HigherOrderOperator
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from shardproof.capture.hops import is_higher_order, through_dense
 from shardproof.capture.locations import is_user_code, tag_autograd_origin
-from shardproof.errors import CaptureError, ShardproofError
+from shardproof.errors import ShardproofError
 
 
 
@@ -95,12 +94,12 @@ class Recorder(TorchDispatchMode):
         self.bind(tensor, node)
         return node
 
-    supports_higher_order_operators = True  # run through their dense implementation (below)
+    supports_higher_order_operators = True  # recorded through their dense implementation (capture/hops)
 
     def __torch_dispatch__(self, func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if isinstance(func, HigherOrderOperator):
-            return self.through(func, args, kwargs)
+        if is_higher_order(func):
+            return through_dense(self, func, args, kwargs)
         decomposed = self.decompositions.get(func)
         if decomposed is not None:
             with self:  # the mode is off inside its own handler: record the smaller ops
@@ -118,15 +117,6 @@ class Recorder(TorchDispatchMode):
             tag_autograd_origin(node, sys._getframe(1))
         self.bind_all(out, node)
         return out
-
-    def through(self, func: HigherOrderOperator, args: tuple, kwargs: dict) -> Any:
-        """A higher-order op (FlexAttention) as the aten ops of its dense, eager implementation,
-        the one torch runs on the CPU: its score and mask functions are plain Python over them."""
-        dense = func.py_kernels.get(DispatchKey.CompositeExplicitAutograd)
-        if dense is None:
-            raise CaptureError(f"the higher-order op `{func.name()}` has no dense implementation to trace")
-        with self:
-            return dense(*args, **kwargs)
 
     def bind_all(self, value: Any, node: fx.Node) -> None:
         """Bind the tensors of an op's output, nested lists through getitem nodes as make_fx
