@@ -54,11 +54,13 @@ def is_user_code(file: str) -> bool:
 def every_user_frame() -> Iterator[None]:
     """make_fx keeps only the frames of functions named `forward`; keep every frame of user code
     (see `is_user_code`), so an op is located at the line that issued it, in a helper function,
-    a checkpoint loader or a library's model."""
+    a checkpoint loader or a library's model. Only frames inside this context count: those
+    outside are whatever called the tracer (a console script, a test), not the traced code."""
     original = PythonKeyTracer._filter_traceback_frames
+    outside = len(traceback.extract_stack())
 
     def user_frames(self: PythonKeyTracer, summary: traceback.StackSummary) -> traceback.StackSummary:
-        return traceback.StackSummary.from_list([frame for frame in summary if is_user_code(frame.filename)])
+        return traceback.StackSummary.from_list([f for f in summary[outside:] if is_user_code(f.filename)])
 
     PythonKeyTracer._filter_traceback_frames = user_frames
     try:

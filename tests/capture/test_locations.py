@@ -134,3 +134,14 @@ def test_user_code_is_every_library_but_torch_shardproof_and_python_itself() -> 
     assert not is_user_code(torch.nn.functional.__file__)
     assert not is_user_code(contextlib.__file__)
     assert not is_user_code("<string>")  # a dataclass's generated __init__
+
+
+def test_the_code_that_called_shardproof_is_no_site() -> None:
+    """Ops shardproof's own program issues (the training step's copies of the parameters) have no
+    user frame inside the trace; the caller of `capture` (this test, a console script) is not one."""
+    graph = capture(Case(Helper, lambda rank, world_size: Helper(), lambda: (torch.randn(4),), loss=lambda out, x: out),
+                    2, mode="train").ranks[0]  # this line is no op's site
+    lines = {n.loc.line for n in graph.nodes if n.loc is not None and n.loc.file == THIS_FILE}
+    caller = inspect.getsourcelines(test_the_code_that_called_shardproof_is_no_site)
+    called_at = caller[1] + next(i for i, line in enumerate(caller[0]) if "no op's site" in line)
+    assert lines and called_at not in lines and called_at - 1 not in lines
