@@ -104,3 +104,37 @@ def test_rank_one_hot_without_a_reference_one_stays_literal():
     rank = megatron_rank_one_hot(b, ids, 4, 8, "megatron")
     b.check(rank)
     assert b.op_of(rank) == "scatter_add"
+
+
+def _rows_summed_by_ids(b: Build, ids: V, rows: V, width: int) -> V:
+    """An embedding's weight gradient as the lowering spells it: onehot(ids)^T @ rows."""
+    count = ids.shape[0]
+    hot = b.op("scatter_add", b.scalar(0.0, (count, width)), b.view(ids, (count, 1)), b.scalar(1.0, (count, 1)),
+               attrs=(1,))
+    return b.op("matmul", b.permute(hot, (1, 0)), rows)
+
+
+@pytest.mark.parametrize("form", ["where", "float mask"])
+@pytest.mark.parametrize("vocab,cuts_", [(8, (0, 4, 8)), (9, (0, 3, 6, 9))])
+def test_a_row_mask_of_the_rows_summed_by_a_one_hot_moves_into_it(vocab, cuts_, form):
+    """torchtitan's vocab-parallel embedding scales its rows by float(lo <= id < hi), so its weight
+    gradient sums masked rows at the clamped local ids: the rank's rows [lo, hi) of the reference's."""
+    b = Build()
+    tokens, width = (2, 3), 4
+    ids = labels(b, "ids", tokens, vocab)
+    grad = b.leaf("grad", tokens + (width,))
+    flat_ids = b.view(ids, (6,))
+    whole = _rows_summed_by_ids(b, flat_ids, b.view(grad, (6, width)), vocab)
+    b.r.reference_size = len(b.u)
+    for lo, hi in zip(cuts_, cuts_[1:]):
+        inside = b.op("logical_and", b.op("ge", ids, b.scalar(lo, tokens, torch.int64)),
+                      b.op("lt", ids, b.scalar(hi, tokens, torch.int64)))
+        wide = b.expand(b.view(inside, tokens + (1,)), grad.shape)
+        masked = (b.op("where", wide, grad, b.scalar(0.0, grad.shape)) if form == "where"
+                  else b.op("mul", grad, b.op("convert", wide, attrs=("float64",))))
+        shifted = b.sub(flat_ids, b.scalar(lo, (6,), torch.int64))
+        clamped = b.op("minimum", b.op("maximum", shifted, b.scalar(0, (6,), torch.int64)),
+                       b.scalar(hi - lo - 1, (6,), torch.int64))
+        rank = _rows_summed_by_ids(b, clamped, b.view(masked, (6, width)), hi - lo)
+        b.check(rank)
+        assert rank.term == b.sl(whole, 0, lo, hi).term

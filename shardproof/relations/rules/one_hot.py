@@ -100,3 +100,46 @@ def one_hot_times(r: Rules, a: int, factor: int, attrs, shape, dtype) -> int | N
     zeros, index, src = term.args
     row = r.slice(factor, tuple((0, n) for n in r.shape(index)))
     return r.build("scatter_add", (zeros, index, r.build("mul", (src, row), attrs, r.shape(src), dtype)), term.attrs, shape, dtype)
+
+
+def masked_rows_into_one_hot(r: Rules, a: int, b: int, attrs, shape, dtype) -> int | None:
+    """onehot^T @ rows(b), b's rows masked (zero where a mask per row is false, b perhaps reshaped
+    from (tokens..., width)): the mask moves into the one-hot's values, (onehot * m)^T @ b', so a
+    rank's one-hot of the ids in its vocabulary range is a slice of the reference's (torchtitan's
+    vocab-parallel embedding scales its rows by a float mask, so its gradient is masked so)."""
+    hot_t = r.u[a]
+    if hot_t.op != "permute" or hot_t.attrs[0] != (1, 0) or not is_one_hot(r, hot_t.args[0]) or r.u[hot_t.args[0]].attrs[0] != 1:
+        return None
+    masked = _row_masked(r, b)
+    if masked is None:
+        return None
+    keep, rows = masked
+    zeros, index, src = r.u[hot_t.args[0]].args
+    kept = r.build("where", (r.view(keep, r.shape(src)), src, r.const(("full", 0.0), r.shape(src), r.u[src].dtype)), (),
+                   r.shape(src), r.u[src].dtype)
+    hot = r.build("scatter_add", (zeros, index, kept), (1,), r.shape(hot_t.args[0]), hot_t.dtype)
+    return r.build("matmul", (r.permute(hot, (1, 0)), rows), attrs, shape, dtype)
+
+
+def _row_masked(r: Rules, t: int) -> tuple[int, int] | None:
+    """(m, x) with t the (count, width) rows of where(m broadcast along the trailing dims, x, 0),
+    m holding one flag per row (count of them); or of where(m, 0, x), with m negated."""
+    term = r.u[t]
+    count = term.shape[0]
+    inner = r.u[term.args[0]] if term.op == "view" else term
+    if inner.op != "where" or len(term.shape) != 2:
+        return None
+    cond, when_true, when_false = inner.args
+    if r.full_value(when_false) == 0:
+        keep, x = cond, when_true
+    elif r.full_value(when_true) == 0:
+        keep, x = r.build("logical_not", (cond,), (), r.shape(cond), "bool"), when_false
+    else:
+        return None
+    flag = r.u[keep]
+    if flag.op != "bcast":
+        return None
+    per_row = flag.args[0]
+    if flag.attrs[0] != tuple(range(len(r.shape(per_row)))) or math.prod(r.shape(per_row)) != count:
+        return None
+    return r.view(per_row, (count, 1)), r.view(x, term.shape)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from shardproof.relations.layout import Box, box_along
 from shardproof.relations.rules.elementwise import elementwise
 from shardproof.relations.rules.masks import times_mask
-from shardproof.relations.rules.one_hot import one_hot_times
+from shardproof.relations.rules.one_hot import masked_rows_into_one_hot, one_hot_times
 from shardproof.relations.rules.regions import cat_bounds
 from shardproof.relations.rules.values import FLOAT_DTYPES, is_finite_number
 
@@ -134,6 +134,9 @@ def matmul(r: Rules, op: str, args, attrs, shape, dtype) -> int:
     split = _split_contraction(r, a, b, attrs, shape, dtype)
     if split is not None:
         return split
+    absorbed = masked_rows_into_one_hot(r, a, b, attrs, shape, dtype)
+    if absorbed is not None:
+        return absorbed
     return _matmul_slices(r, a, b, attrs, shape, dtype)
 
 
