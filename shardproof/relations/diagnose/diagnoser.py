@@ -12,6 +12,7 @@ from shardproof.ir.ops import OPS
 from shardproof.relations.diagnose.agreement import LAYOUT_OPS, PIECES, grounded
 from shardproof.relations.diagnose.collectives import CollectiveFaults
 from shardproof.relations.diagnose.finding import Finding
+from shardproof.relations.diagnose.lookups import MaskedLookups
 from shardproof.relations.diagnose.missing_reduction import MissingReductions
 from shardproof.relations.diagnose.overlap import OverlappingShards
 from shardproof.relations.diagnose.shards import RankChunks
@@ -23,7 +24,7 @@ from shardproof.relations.skipped import skipped_backward
 from shardproof.report.terms import describe, line_of, placement, value_name
 
 
-class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, OverlappingShards, LayoutFaults, RankChunks):
+class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, OverlappingShards, MaskedLookups, LayoutFaults, RankChunks):
     def __init__(self, run: Execution, reference: Graph, ranks: list[Graph]):
         self.run = run
         self.r: Rules = run.rules
@@ -70,6 +71,7 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, OverlappingSha
                 self._misassembled_input(rank, node)
                 or self._mixing_reshape(rank, chain)
                 or self._misaligned_contraction(rank, chain)
+                or self._mismatched_lookup_mask(rank, chain)
             )
             if found is not None:
                 return found
