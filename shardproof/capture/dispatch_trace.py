@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from shardproof.capture.hops import is_higher_order, through_dense
-from shardproof.capture.locations import is_user_code, tag_autograd_origin
+from shardproof.capture.locations import forwards, is_user_code, tag_autograd_origin
 from shardproof.errors import ShardproofError
 
 
@@ -132,14 +132,17 @@ class Recorder(TorchDispatchMode):
 
     def where(self) -> str:
         """The innermost frame of the traced code outside torch and shardproof, as make_fx writes it."""
-        frame = sys._getframe(2)
+        frame, wrapper = sys._getframe(2), ""
         while frame is not None and frame is not self.entry:
             file = frame.f_code.co_filename
             if is_user_code(file):
                 code = linecache.getline(file, frame.f_lineno).strip()
-                return f'  File "{file}", line {frame.f_lineno}, in {frame.f_code.co_name}\n    {code}\n'
+                found = f'  File "{file}", line {frame.f_lineno}, in {frame.f_code.co_name}\n    {code}\n'
+                if not forwards(code):  # a wrapper's line: the site is where it was called (locations.forwards)
+                    return found
+                wrapper = wrapper or found
             frame = frame.f_back
-        return ""
+        return wrapper
 
 
 @functools.lru_cache(maxsize=None)

@@ -151,7 +151,19 @@ def locate(node: fx.Node) -> Location | None:
 def _innermost_user_frame(trace: str) -> Location | None:
     """Cached: the ops of one line share its stack trace (a loader's slices, 126 times over)."""
     frames = [m for m in _FRAME.finditer(trace) if is_user_code(m["file"])]
+    while len(frames) > 1 and forwards(frames[-1]["code"]):
+        frames.pop()
     if not frames:
         return None
     last = frames[-1]
     return Location(last["file"], int(last["line"]), last["code"].strip())
+
+
+_FORWARDING = re.compile(r"\(\s*\*\w+\s*,\s*\*\*\w+\s*\)")
+
+
+def forwards(code: str) -> bool:
+    """A wrapper's line, passing its arguments on as they came (`fn(*args, **kwargs)`): an op the
+    wrapped library code issues is located where the wrapper was called (torchtitan's
+    `Module.parallelize` wraps every module's forward so; the call `self.wo(out)` names the module)."""
+    return bool(_FORWARDING.search(code))

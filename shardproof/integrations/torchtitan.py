@@ -37,11 +37,12 @@ import spmd_types as spmd
 import torch
 import torch.distributed as dist
 import torchtitan.distributed.parallel_dims as parallel_dims_module
+import torchtitan.distributed.spmd_types as spmd_helpers
 from spmd_types.types import normalize_axis
+from torch.nn.attention import SDPBackend
 from torchtitan.components.loss import cross_entropy_loss
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.parallel_dims import MeshAxisName
-from torchtitan.distributed.spmd_types import spmd_distribute_tensor
 from torchtitan.distributed.utils import get_spmd_context
 from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention, VarlenAttention
 from torchtitan.protocols.module import Module
@@ -58,12 +59,12 @@ def torchtitan_case(config: Any, world_size: int = 2, *, mode: str = "forward", 
     built = threading.local()  # the rank model each thread built last: its loader runs next, on that thread
 
     def reference() -> torch.nn.Module:
-        return Decoding(config.build())
+        return Decoding(_built(config))
 
     def distributed(rank: int, world_size: int) -> torch.nn.Module:
         _check_divides(config, world_size)
         dims = _parallel_dims(world_size)
-        model = config.build()
+        model = _built(config)
         model.parallelize(dims)
         if config.enable_weight_tying:
             model.tok_embeddings.weight = model.lm_head.weight
@@ -182,6 +183,17 @@ def _step(vocab_size: int, model: Decoding, inputs: tuple, rank: int, world_size
     return loss
 
 
+def _built(config: Any) -> torch.nn.Module:
+    """`config.build()`, its SDPA attentions set to torch's math path (`sdpa_backends`, torchtitan's
+    own choice of kernels): the CPU's fused kernel and its backward are one op over all the heads,
+    which no rule relates to a rank's share of them; the math path is the same function in matmuls."""
+    model = config.build()
+    for module in model.modules():
+        if isinstance(module, ScaledDotProductAttention):
+            module.sdpa_backends = [SDPBackend.MATH]
+    return model
+
+
 def _takes_masks(config: Any) -> bool:
     """Attention masks are built for the attentions that take them, as torchtitan's trainer does."""
     attention = config.first_attention
@@ -223,4 +235,4 @@ def _local_shard(model: Decoding, name: str, tensor: torch.Tensor) -> torch.Tens
     if layout is None:
         return tensor
     mesh = model.dims.get_optional_mesh([axis.value for axis in layout.axes()], include_singleton_axes=True)
-    return spmd_distribute_tensor(tensor, mesh, layout)
+    return spmd_helpers.spmd_distribute_tensor(tensor, mesh, layout)  # looked up now, as torchtitan calls it

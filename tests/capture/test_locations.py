@@ -145,3 +145,30 @@ def test_the_code_that_called_shardproof_is_no_site() -> None:
     caller = inspect.getsourcelines(test_the_code_that_called_shardproof_is_no_site)
     called_at = caller[1] + next(i for i, line in enumerate(caller[0]) if "no op's site" in line)
     assert lines and called_at not in lines and called_at - 1 not in lines
+
+
+def _forwarding(fn: Callable) -> Callable:
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs)  # a wrapper's line
+
+    return wrapper
+
+
+class Wrapped(nn.Module):
+    """A library module whose forward a framework wraps (torchtitan's parallelize wraps every one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.lin.forward = _forwarding(self.lin.forward)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).sum()  # the call
+
+
+@pytest.mark.parametrize("mode", ["forward", "train"])  # the light tracer, make_fx
+def test_an_op_issued_under_a_forwarding_wrapper_is_located_where_the_wrapper_was_called(mode: str) -> None:
+    case = Case(Wrapped, lambda rank, world_size: Wrapped(), lambda: (torch.randn(3, 4),), loss=lambda out, x: out)
+    graph = capture(case, 2, mode=mode).ranks[0]
+    lines = {n.loc.code for n in graph.nodes if n.op == "matmul" and n.loc is not None and not n.loc.backward}
+    assert lines == {"return self.lin(x).sum()  # the call"}

@@ -21,8 +21,7 @@ SLOW = {("forward", 8), ("train", 2), ("train", 4)}
 # core relates the op, when its entry goes.
 NOT_YET = {
     ("llama3", "forward"): "ComplexRoPE's view_as_complex / view_as_real have no layout law yet",
-    ("llama3", "train"): "SDPA's CPU backward (_scaled_dot_product_flash_attention_for_cpu_backward) has no law yet",
-    ("qwen3", "train"): "SDPA's CPU backward (_scaled_dot_product_flash_attention_for_cpu_backward) has no law yet",
+    ("llama3", "train"): "ComplexRoPE's view_as_complex / view_as_real have no layout law yet",
 }
 
 

@@ -56,3 +56,17 @@ def test_a_mask_off_by_one_is_overlapping_shards_at_its_line(upper: int, said: s
 def test_the_right_mask_is_proven() -> None:
     assert verify(_case(0), world_size=WORLD).verdict == "equivalent"
     assert run_numeric(_case(0), WORLD).agree
+
+
+def test_a_table_shard_cut_for_another_rank_is_overlapping_shards_at_the_loader() -> None:
+    """The mask holds the rank's own ids, the loader gave it another rank's rows: the loader's slice."""
+
+    def every_rank_rows_0(ref_state: dict, rank: int, world_size: int) -> dict:
+        return {"weight": ref_state["weight"].chunk(world_size)[0]}  # the loader's line
+
+    case = _case(0)
+    case.shard_state = every_rank_rows_0
+    report = verify(case, world_size=WORLD)
+    assert report.verdict == "discrepancy" and "overlapping shards" in report.diagnosis
+    assert "loader" in report.diagnosis and "the loader's line" in report.distributed[0].code
+    assert not run_numeric(case, WORLD).agree

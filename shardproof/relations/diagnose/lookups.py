@@ -1,8 +1,9 @@
 """Masked lookups whose mask disagrees with the shard they read: a rank looks up rows [lo, hi) of a
 vocab-parallel table but lets another range of ids through its mask (an off-by-one `<=`, a wrong
 offset). Summed over ranks, the ids the ranges overlap at are counted twice (at a clamped, wrong
-row) and those they leave out never: overlapping shards, found at the mask's line. A part of
-`Diagnoser`.
+row) and those they leave out never: overlapping shards, found at the mask's line, or at the
+loader's slice where the mask holds the rank's own ids and the table is another rank's rows. A part
+of `Diagnoser`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,12 @@ from shardproof.ir.graph import Node
 from shardproof.relations.diagnose.finding import Finding
 from shardproof.relations.rules.masks import range_masks
 from shardproof.report.terms import describe, line_of
+
+def _own(rank: int, span: tuple[int, int], size: int) -> bool:
+    """`span` is chunk `rank` of [0, size) cut into chunks of its width."""
+    lo, hi = span
+    return hi > lo and size % (hi - lo) == 0 and lo == rank * (hi - lo)
+
 
 # lookups: the table operand and the axis it is read along
 _TABLE_AXIS = {"embedding": lambda node: 0, "gather": lambda node: node.attrs[0]}
@@ -31,9 +38,24 @@ class MaskedLookups:
                 for mask, (_, lo, hi, _) in range_masks(self.r, terms[user.id]):
                     if (lo, hi) == rows or not self._reads(graph, user, lookup):
                         continue
+                    size = self.r.shape(root)[axis]
+                    if _own(rank, (lo, hi), size) and not _own(rank, rows, size):  # the table is the wrong shard
+                        cut = self._loader_slice(rank, graph[lookup.inputs[0]], unnatural=True)
+                        if cut is not None:
+                            return self._table_finding(rank, cut, lookup, root, rows, (lo, hi))
                     culprit = next((n for n in graph.nodes if terms[n.id] == mask), user)
                     return self._mask_finding(rank, culprit, lookup, root, axis, rows, (lo, hi))
         return None
+
+    def _table_finding(self, rank: int, cut: Node, lookup: Node, root: int, rows: tuple[int, int],
+                       ids: tuple[int, int]) -> Finding:
+        table = describe(self.r.u, root, 1)
+        message = (
+            f"overlapping shards: on rank {rank}, a lookup masked to its own ids [{ids[0]}:{ids[1]}) reads rows "
+            f"[{rows[0]}:{rows[1]}) of `{table}`: the checkpoint loader cut another rank's shard of it"
+        )
+        return Finding("discrepancy", "overlapping shards", message, [(rank, cut), (rank, lookup)],
+                       fix=f"cut rows [{ids[0]}:{ids[1]}) of `{table}` for rank {rank} at {line_of(cut)}")
 
     def _reads(self, graph, user: Node, lookup: Node) -> bool:
         return lookup.id in {n.id for n in graph.ancestors(user)}
