@@ -16,14 +16,6 @@ from shardproof.oracle import run_numeric  # noqa: E402
 RUNS = [(mode, n) for mode, sizes in (("forward", (2, 4, 8)), ("train", (2, 4))) for n in sizes]
 SLOW = {("forward", 8), ("train", 2), ("train", 4)}
 
-# Runs the core cannot prove yet, and why (see /work/notes/titan.md): such a run must be `unknown`
-# (never a discrepancy: the numbers agree, asserted first), and must become `equivalent` once the
-# core relates the op, when its entry goes.
-NOT_YET = {
-    ("llama3", "forward"): "ComplexRoPE's view_as_complex / view_as_real have no layout law yet",
-    ("llama3", "train"): "ComplexRoPE's view_as_complex / view_as_real have no layout law yet",
-}
-
 
 def _params(models: list[str]) -> list:
     return [
@@ -40,6 +32,4 @@ def test_torchtitan_parallelize_computes_the_reference(model: str, sequence_para
     numbers = run_numeric(case, world_size, mode=mode)
     assert numbers.agree, numbers.detail
     report = verify(case, world_size=world_size)
-    if report.verdict == "unknown" and (model, mode) in NOT_YET:
-        pytest.xfail(NOT_YET[model, mode])
     assert report.verdict == "equivalent", report.diagnosis

@@ -84,7 +84,7 @@ BUGS = [
     ("wo-reduction-dropped", "forward", False, _wo_without_its_reduction, [],
      "missing reduction", ("attention.py", "return self.wo(out_BLD)")),
     ("sp-norm-grad-unreduced", "train", True, _norm_left_out_of_sp, [],
-     "missing reduction", ("model.py", "self.ffn_norm(x)")),
+     "missing reduction", ("model.py", "self.ffn_norm(")),
 ]
 FIXED_PATCHES = {
     "embedding-mask-off-by-one": [(Embedding, "forward", _embedding_forward(0))],
@@ -92,19 +92,20 @@ FIXED_PATCHES = {
 }
 
 
-def _case(mode: str, sequence_parallel: bool, change: Callable | None) -> Any:
-    config = tiny_config("qwen3", sequence_parallel=sequence_parallel, attention="flex" if mode == "forward" else "sdpa")
+def _case(model: str, mode: str, sequence_parallel: bool, change: Callable | None) -> Any:
+    config = tiny_config(model, sequence_parallel=sequence_parallel, attention="flex" if mode == "forward" else "sdpa")
     if change is not None:
         change(config)
     return torchtitan_case(config, WORLD, mode=mode)
 
 
+@pytest.mark.parametrize("model", ["llama3", "qwen3"])
 @pytest.mark.parametrize("name, mode, sequence_parallel, change, patches, kind, culprit", BUGS, ids=[b[0] for b in BUGS])
-def test_an_injected_bug_is_found_at_its_line(name, mode, sequence_parallel, change, patches, kind, culprit,
+def test_an_injected_bug_is_found_at_its_line(name, mode, sequence_parallel, change, patches, kind, culprit, model,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     for owner, attr, value in patches:
         monkeypatch.setattr(owner, attr, value)
-    case = _case(mode, sequence_parallel, change)
+    case = _case(model, mode, sequence_parallel, change)
     report = verify(case, world_size=WORLD)
     assert report.exit_code == 1 and kind in report.diagnosis, report.diagnosis
     first = report.distributed[0]
@@ -112,10 +113,11 @@ def test_an_injected_bug_is_found_at_its_line(name, mode, sequence_parallel, cha
     assert not run_numeric(case, WORLD, mode=mode).agree
 
 
+@pytest.mark.parametrize("model", ["llama3", "qwen3"])
 @pytest.mark.parametrize("name, mode, sequence_parallel", [b[:3] for b in BUGS], ids=[b[0] for b in BUGS])
-def test_the_fixed_twin_is_proven(name, mode, sequence_parallel, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_fixed_twin_is_proven(name, mode, sequence_parallel, model, monkeypatch: pytest.MonkeyPatch) -> None:
     for owner, attr, value in FIXED_PATCHES.get(name, []):
         monkeypatch.setattr(owner, attr, value)
-    case = _case(mode, sequence_parallel, None)
+    case = _case(model, mode, sequence_parallel, None)
     assert verify(case, world_size=WORLD).exit_code == 0
     assert run_numeric(case, WORLD, mode=mode).agree

@@ -262,6 +262,32 @@ def test_one_head_times_a_table_with_a_size_one_head_dim_matches_the_reference(h
         assert y.term == b.sl(reference, 2, h, h + 1).term
 
 
+def test_size_one_dims_put_back_where_a_reshape_took_them_out_are_the_tensor() -> None:
+    """The reference squeezes a gathered table's size-1 head dim to broadcast it over its heads; a
+    rank's one head of that broadcast is the table as gathered, its own size-1 head dim."""
+    b = Build()
+    table = b.leaf("table", (2, 3, 1, 4))
+    broadcast = b.expand(table, (2, 3, 8, 4))
+    for h in range(8):
+        head = b.sl(broadcast, 2, h, h + 1)
+        b.check(head)
+        assert head.term == table.term
+
+
+def test_one_head_times_a_computed_table_with_a_size_one_head_dim_matches_the_reference() -> None:
+    """As above, the table computed (a gathered complex rotary cache), not sliced: the rank's
+    operand is the box of the reference's broadcast of it."""
+    b = Build()
+    q, cache = b.leaf("q", (2, 3, 8, 4)), b.leaf("cache", (2, 3, 1, 4))
+    table = b.op("exp", cache)
+    reference = b.op("mul", q, b.expand(table, q.shape))
+    b.r.reference_size = len(b.u)
+    for h in range(8):
+        y = b.op("mul", b.sl(q, 2, h, h + 1), table)
+        b.check(y)
+        assert y.term == b.sl(reference, 2, h, h + 1).term
+
+
 def test_expand_of_a_trailing_size_one_dim():
     b = Build()
     x = b.leaf("x", (3, 1))

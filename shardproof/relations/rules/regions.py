@@ -218,6 +218,11 @@ class RegionRules:
                 part_shape = tuple(size if d == dim else s for d, s in enumerate(global_shape))
                 parts.append(self.unslice(p, part_box, part_shape))
             return None if None in parts else self.cat(parts, dim)
+        if all(size == 1 for (lo, hi), size, whole in zip(box, term.shape, global_shape) if (lo, hi) != (0, whole)):
+            # a computed t's size-1 dims stand for any row of it broadcast along them: so the reference built it
+            broadcast = self.expand(t, tuple(global_shape))
+            if self.in_reference(broadcast):
+                return broadcast
         return None
 
     def _unslice_slice(self, t: int, box: Box, global_shape: tuple[int, ...]) -> int | None:
@@ -335,6 +340,8 @@ class RegionRules:
             return self.literal("full", (), term.attrs, shape, term.dtype)
         if tuple(dims) == tuple(range(len(shape))):
             return base
+        if term.op == "view" and self.shape(term.args[0]) == shape and all(shape[d] == 1 for d in range(len(shape)) if d not in dims):
+            return term.args[0]  # size-1 dims put back where a reshape took them out: the tensor it reshaped
         return self.literal("bcast", (base,), (tuple(dims),), shape, term.dtype)
 
     def expand(self, x: int, shape: tuple[int, ...]) -> int:
