@@ -38,7 +38,7 @@ from shardproof.case import Case
 from shardproof.errors import CaseError
 from shardproof.programs import Check, NumericResult, Output
 from shardproof.state import module_state
-from shardproof.steps import Trained, agreed, program_for
+from shardproof.steps import Program, Trained, agreed, program_for
 
 # The threaded process group swaps torch's global c10d world: one oracle run at a time.
 _LOCK = threading.Lock()
@@ -66,14 +66,21 @@ def run_numeric(
     """Agree when every check of the case's program (steps.py) holds on every rank to within
     `atol + rtol * max|expected|`."""
     with _LOCK, torch.compiler.set_stance("force_eager"), _default_dtype(torch.float64), \
-            torch.random.fork_rng(devices=[]), _RealFloats():  # compiled code runs as the eager code it compiles
+            torch.random.fork_rng(devices=[]):  # compiled code runs as the eager code it compiles
         torch.manual_seed(seed)
-        ref = case.reference()
-        _randomise_parameters(ref)
-        inputs = pytree.tree_map_only(torch.Tensor, _random_like, tuple(case.inputs()))
-        ref_state = module_state(ref)
-        program = program_for(case, ref, mode or case.mode)
-        ref_out = [t.detach() for t in program.reference(ref, _private(ref_state), _private(inputs))]
+
+        def run_reference(rank: int) -> tuple[dict, tuple, Program, list[torch.Tensor]]:
+            """The reference on one device: rank 0 of a world of one (code asking for its process group
+            gets one, as under capture)."""
+            with _RealFloats():  # dispatch modes are per thread
+                ref = case.reference()
+                _randomise_parameters(ref)
+                inputs = pytree.tree_map_only(torch.Tensor, _random_like, tuple(case.inputs()))
+                program = program_for(case, ref, mode or case.mode)
+                state = module_state(ref)
+                return state, inputs, program, [t.detach() for t in program.reference(ref, _private(state), _private(inputs))]
+
+        ref_state, inputs, program, ref_out = _run_ranks(run_reference, 1)[0][0]
         bound = [ref_out[i] for i in program.bound]
 
         def run_rank(rank: int) -> tuple[list[torch.Tensor], Trained]:

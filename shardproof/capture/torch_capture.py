@@ -124,10 +124,12 @@ class _Session:
 
 @contextlib.contextmanager
 def _session(case: Case, world_size: int, mode: str) -> Iterator[_Session]:
-    # torch.compile'd code (torchtitan's FlexAttention) is traced as the eager code it compiles
-    with _fake_tensor_errors_unlogged(), torch.compiler.set_stance("force_eager"), _attention_as_math(), \
+    # torch.compile'd code (torchtitan's FlexAttention, Megatron's fused cross entropy) is traced as
+    # the eager code it compiles, by make_fx too
+    with _fake_tensor_errors_unlogged(), torch.compiler.set_stance("force_eager"), \
+            torch._dynamo.config.patch(error_on_nested_fx_trace=False), _attention_as_math(), \
             FakeTensorMode(allow_non_fake_inputs=True):
-        with _process_group(0, world_size):
+        with _process_group(0, 1):  # the reference is one device: rank 0 of a world of one
             ref_model, ref_state, on_meta = _reference(case, mode)
             ref_inputs = _build("inputs()", case.inputs)
         if not isinstance(ref_inputs, (tuple, list)):
@@ -197,14 +199,14 @@ def _trace_reference(session: _Session, memo: bool) -> Graph:
         return _trace("the reference model", run_reference, session.tensors, session.names, [], None,
                       model if memo else None, session.program, light_only=light_only)
 
-    if not session.model_on_meta:
-        return trace(session.model, light_only=False)
-    try:
-        return trace(session.model, light_only=True)
-    except (ShardproofError, NotPlain):
-        with _process_group(0, session.world_size):
+    with _process_group(0, 1):  # as it was built
+        if not session.model_on_meta:
+            return trace(session.model, light_only=False)
+        try:
+            return trace(session.model, light_only=True)
+        except (ShardproofError, NotPlain):
             model = _build_model("reference()", session.case.reference)
-        return trace(model, light_only=False)
+            return trace(model, light_only=False)
 
 
 def _trace_rank(session: _Session, rank: int, bound: list[torch.Tensor], memo: bool) -> tuple[Graph, Trained]:

@@ -452,9 +452,12 @@ def _written(node: fx.Node) -> list[fx.Node]:
 
 def _written_values(result: Value, count: int) -> list[int] | None:
     """The new values of the tensors an op wrote, from what its lowering returned: the value (an
-    in-place op), or the list first in the result (an in-place collective's (tensors, work))."""
+    in-place op), or the list first in the result (an in-place collective's (tensors, work)), or the
+    one tensor first (all_gather_into_tensor's (tensor, work))."""
     if isinstance(result, int) and count == 1:
         return [result]
+    if isinstance(result, tuple) and result and isinstance(result[0], int) and count == 1:
+        return [result[0]]
     if isinstance(result, tuple) and result and isinstance(result[0], (list, tuple)) and len(result[0]) == count:
         return list(result[0]) if all(isinstance(v, int) for v in result[0]) else None
     return None
@@ -1184,8 +1187,22 @@ def _fill(lo: Lowerer, x, value) -> int:
 
 
 # --- collectives ---------------------------------------------------------------------------------
+_REDUCE_NAMES = {"SUM": "sum", "AVG": "mean", "MAX": "max", "MIN": "min"}
+
+
+def _reduce_op(lo: Lowerer, reduce_op: Any) -> str:
+    """An in-place collective's ReduceOp, read off its argument (c10d's ReduceOp object, which both
+    tracers keep); where that says nothing, the one capture recorded at the call. (A call through
+    an alias of torch's function, as Megatron's `dist_reduce_scatter_func`, is not recorded there.)"""
+    value = lo.env.get(reduce_op, reduce_op) if isinstance(reduce_op, fx.Node) else reduce_op
+    recorded = lo.reduce_ops.pop(0) if lo.reduce_ops else "sum"
+    if not (isinstance(value, torch.ScriptObject) and value._has_method("op")):
+        return recorded
+    return _REDUCE_NAMES.get(torch.distributed.ReduceOp.RedOpType(value.op()).name, "unsupported")
+
+
 def _all_reduce_inplace(lo: Lowerer, tensors, group, reduce_op, *args) -> tuple:
-    op = lo.reduce_ops.pop(0) if lo.reduce_ops else "sum"
+    op = _reduce_op(lo, reduce_op)
     ranks = lo.group_ranks(group)
     outs = [lo.emit("all_reduce", (lo.tensor(t),), (op, ranks), lo.shape(lo.tensor(t)), lo.dtype(lo.tensor(t))) for t in tensors]
     return (outs, None)
@@ -1215,10 +1232,10 @@ def _all_gather_base(lo: Lowerer, output, x, group, *args) -> tuple:
     return (_as_buffer(lo, whole, lo.shape(lo.tensor(output))), None)
 
 
-def _reduce_scatter_base(lo: Lowerer, output, x, group, *args) -> tuple:
+def _reduce_scatter_base(lo: Lowerer, output, x, group, reduce_op=None, *args) -> tuple:
     """reduce_scatter_tensor gives rank i chunk i of the summed input's flat memory, in the output
     buffer's shape: dim 0 chunks of the input read as (ranks * out[0], *out[1:])."""
-    op = lo.reduce_ops.pop(0) if lo.reduce_ops else "sum"
+    op = _reduce_op(lo, reduce_op)
     ranks = lo.group_ranks(group)
     out_shape = lo.shape(lo.tensor(output))
     stacked = (len(ranks) * out_shape[0],) + out_shape[1:] if out_shape else (len(ranks),)

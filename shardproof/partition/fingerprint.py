@@ -49,6 +49,7 @@ _GLOBAL_HOOKS = [
 ]
 WRAPPED = "_shardproof_original_forward"  # set on the forward wrappers of module_calls
 _fields: dict[type, tuple[str, ...]] = {}
+_UNSET = object()  # a dataclass field never set (declared with init=False, no default)
 
 
 def value_key(value: Any, depth: int = 0) -> Hashable:
@@ -71,7 +72,7 @@ def value_key(value: Any, depth: int = 0) -> Hashable:
         names = _fields.get(type(value))
         if names is None:
             names = _fields[type(value)] = tuple(f.name for f in dataclasses.fields(value))
-        return ("dataclass", type(value), tuple(value_key(getattr(value, n), depth + 1) for n in names))
+        return ("dataclass", type(value), tuple(value_key(getattr(value, n, _UNSET), depth + 1) for n in names))
     return ("id", id(value))
 
 

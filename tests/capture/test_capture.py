@@ -359,8 +359,6 @@ def _averaged_shard(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return shard
 
 
-
-
 def _gather_into_wide_buffer(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     y = x * w + dist.get_rank()
     out = torch.empty(4, 6 * dist.get_world_size(), dtype=y.dtype)
@@ -410,6 +408,27 @@ def test_averaging_reduce_scatter_lowers_as_a_mean() -> None:
     for graph in captured.ranks:
         (scatter,) = [n for n in graph.nodes if n.op == "reduce_scatter"]
         assert scatter.attrs == (0, "mean", (0, 1))
+
+
+_REDUCE_SCATTER = dist.reduce_scatter_tensor  # bound at import, as Megatron binds dist_reduce_scatter_func
+
+
+def _max_after_an_aliased_sum(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(4 // dist.get_world_size(), 6)
+    _REDUCE_SCATTER(out, x * w)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["forward", "train"])  # the light tracer, make_fx
+def test_a_collective_s_reduce_op_is_read_off_its_argument(mode: str) -> None:
+    """A collective called through an alias of torch's function (not through `dist.*`) still
+    lowers with its own ReduceOp, and so do those after it."""
+    case = _elementwise_case(lambda w, x: x * w, _max_after_an_aliased_sum)
+    case.loss = lambda out, x: out.sum()
+    for graph in capture(case, 2, mode=mode).ranks:
+        ops = [n.attrs for n in graph.nodes if n.op in ("reduce_scatter", "all_reduce") and not (n.loc and n.loc.backward)]
+        assert ops[:2] == [(0, "sum", (0, 1)), ("max", (0, 1))]
 
 
 def _assert_ir_computes(body: Callable) -> None:

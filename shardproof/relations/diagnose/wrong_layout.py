@@ -58,7 +58,7 @@ class LayoutFaults:
         return None
 
     def _mixing_view(self, t: int, seen: set[int]) -> tuple[str, str] | None:
-        if t in seen:
+        if t in seen or self.r.in_reference(t):  # the reference's own reshapes mix nothing
             return None
         seen.add(t)
         term = self.r.u[t]
