@@ -14,6 +14,7 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+from shardproof import verify
 from shardproof.case import Case
 from shardproof.oracle import run_numeric
 
@@ -231,3 +232,23 @@ def test_flex_attention_runs_its_dense_math_in_float64(causal: bool) -> None:
     case = Case(FlexHeads, lambda rank, n: FlexHeads(4 // n, causal or rank == 0), lambda: (torch.randn(1, 4, HIDDEN),),
                 output=("shard", 2))
     assert run_numeric(case, 2).agree == causal
+
+
+class GroupAware(nn.Module):
+    """Code that reduces over its process group whatever its size, Megatron's way: on one device
+    (the reference) a world of one, where the sum is the value itself."""
+
+    def __init__(self, ffn: int = FFN):
+        super().__init__()
+        self.mlp = Mlp(ffn)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.mlp(x)
+        dist.all_reduce(y)
+        return y
+
+
+def test_the_reference_runs_as_rank_0_of_a_world_of_one() -> None:
+    case = Case(GroupAware, lambda rank, n: GroupAware(FFN // n), _inputs)
+    assert run_numeric(case, 2).agree
+    assert verify(case, world_size=2).verdict == "equivalent"

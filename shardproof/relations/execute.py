@@ -76,6 +76,8 @@ def term_of(rules: Rules, node: Node, terms: list[int], rank: int | None, bound:
             return rules.literal("empty", (), (rank, node.id), node.shape, node.dtype)
         return rules.const(spec, node.shape, node.dtype)
     args = tuple(terms[i] for i in node.inputs)
+    if OPS[node.op].kind == "collective" and len(node.attrs[-1]) == 1:
+        return args[0]  # over a group of one rank (the reference's world of one): the value itself
     if OPS[node.op].kind == "random":  # a random draw equals nothing, not even the same draw elsewhere
         return rules.literal(node.op, args, (rank, node.id), node.shape, node.dtype)
     return rules.build(node.op, args, node.attrs, node.shape, node.dtype)

@@ -366,6 +366,15 @@ def _gather_into_wide_buffer(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _gather_into_a_scratch_buffer(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Megatron's sequence-parallel all-gather: into a view of a scratch buffer read again later."""
+    y = x * w + dist.get_rank()
+    scratch = torch.zeros(4 * 6 * dist.get_world_size() + 5)
+    out = scratch[: 4 * 6 * dist.get_world_size()].view(4, 6 * dist.get_world_size())
+    dist.all_gather_into_tensor(out, y)
+    return scratch[: out.numel()].view(out.shape) * 1.0
+
+
 def _reduce_scatter_into_narrow_buffer(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     y = x * w + dist.get_rank()
     out = torch.empty(4, 6 // dist.get_world_size(), dtype=y.dtype)
@@ -475,8 +484,9 @@ def _flat_reduce_scatter(ys: list[torch.Tensor], rank: int) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     ("body", "flat_semantics"),
-    [(_gather_into_wide_buffer, _flat_all_gather), (_reduce_scatter_into_narrow_buffer, _flat_reduce_scatter)],
-    ids=["all-gather", "reduce-scatter"],
+    [(_gather_into_wide_buffer, _flat_all_gather), (_gather_into_a_scratch_buffer, _flat_all_gather),
+     (_reduce_scatter_into_narrow_buffer, _flat_reduce_scatter)],
+    ids=["all-gather", "all-gather-into-scratch", "reduce-scatter"],
 )
 def test_into_tensor_collectives_fill_the_buffer_as_flat_memory(body: Callable, flat_semantics: Callable) -> None:
     """A buffer of another shape than the inputs stacked on dim 0 is filled in memory order."""

@@ -87,7 +87,8 @@ class _Compiled(torch.nn.Module):
         return _doubled(self.up(x))
 
 
-def test_compiled_code_is_traced_as_the_eager_code_it_compiles() -> None:
-    case = Case(_Compiled, lambda rank, n: _Compiled(), lambda: (torch.randn(3, 4),))
-    assert verify(case, world_size=2).verdict == "equivalent"
-    assert run_numeric(case, 2).agree
+@pytest.mark.parametrize("mode", ["forward", "train"])  # the light tracer, make_fx
+def test_compiled_code_is_traced_as_the_eager_code_it_compiles(mode: str) -> None:
+    case = Case(_Compiled, lambda rank, n: _Compiled(), lambda: (torch.randn(3, 4),), loss=lambda out, x: out.sum())
+    assert verify(case, world_size=2, train=mode == "train").verdict == "equivalent"
+    assert run_numeric(case, 2, mode=mode).agree

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -83,3 +83,19 @@ def test_tensor_subclasses_have_no_key_and_requiring_grad_is_part_of_it() -> Non
     assert call_key(layer, (torch.randn(2, 4).as_subclass(Marked),), {}) is None
     key = call_key(layer, (torch.randn(2, 4),), {})[0]
     assert call_key(layer, (torch.randn(2, 4, requires_grad=True),), {})[0] != key
+
+
+@dataclass
+class _Groups:
+    """Like Megatron's ProcessGroupCollection: fields declared init=False, set only when given."""
+
+    tp: int = field(init=False)
+    pp: int = field(init=False)
+
+
+def test_a_dataclass_field_never_set_is_part_of_its_key() -> None:
+    some, other = _Groups(), _Groups()
+    some.tp = other.tp = 2
+    assert value_key(some) == value_key(other)
+    other.pp = 1
+    assert value_key(some) != value_key(other)
