@@ -65,41 +65,69 @@ def run_numeric(
 ) -> NumericResult:
     """Agree when every check of the case's program (steps.py) holds on every rank to within
     `atol + rtol * max|expected|`."""
-    with _LOCK, torch.compiler.set_stance("force_eager"), _default_dtype(torch.float64), \
-            torch.random.fork_rng(devices=[]):  # compiled code runs as the eager code it compiles
-        torch.manual_seed(seed)
-
-        def run_reference(rank: int) -> tuple[dict, tuple, Program, list[torch.Tensor]]:
-            """The reference on one device: rank 0 of a world of one (code asking for its process group
-            gets one, as under capture)."""
-            with _RealFloats():  # dispatch modes are per thread
-                ref = case.reference()
-                _randomise_parameters(ref)
-                inputs = pytree.tree_map_only(torch.Tensor, _random_like, tuple(case.inputs()))
-                program = program_for(case, ref, mode or case.mode)
-                state = module_state(ref)
-                return state, inputs, program, [t.detach() for t in program.reference(ref, _private(state), _private(inputs))]
-
-        ref_state, inputs, program, ref_out = _run_ranks(run_reference, 1)[0][0]
-        bound = [ref_out[i] for i in program.bound]
-
-        def run_rank(rank: int) -> tuple[list[torch.Tensor], Trained]:
-            with _RealFloats():  # dispatch modes are per thread
-                model = case.distributed(rank, world_size)
-                outputs, trained = program.rank(model, _private(ref_state), _private(inputs), rank, world_size,
-                                                _private(bound))
-                return _plain(outputs), trained
-
-        runs, hung = _run_ranks(run_rank, world_size)
+    with _LOCK, numeric_setting(seed):
+        reference = _run_ranks(lambda _: run_reference(case, mode or case.mode), 1)[0][0]
+        runs, hung = _run_ranks(lambda rank: run_rank(case, reference, rank, world_size), world_size)
         if hung:
             return NumericResult(False, math.inf, math.inf, f"ranks {hung} never finished: they wait in a "
                                  "collective that the other ranks do not issue")
+    return judge(reference, runs, atol, rtol)
+
+
+@dataclass
+class ReferenceRun:
+    """The reference's random state and inputs, its program and what it computed from them."""
+
+    state: dict
+    inputs: tuple
+    program: Program
+    outputs: list[torch.Tensor]
+
+    @property
+    def bound(self) -> list[torch.Tensor]:
+        """The reference outputs every rank program receives (steps.Program.bound)."""
+        return [self.outputs[i] for i in self.program.bound]
+
+
+@contextmanager
+def numeric_setting(seed: int) -> Iterator[None]:
+    """Where both sides run: float64, compiled code as the eager code it compiles, a seeded RNG."""
+    with torch.compiler.set_stance("force_eager"), _default_dtype(torch.float64), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def run_reference(case: Case, mode: str) -> ReferenceRun:
+    """The reference on random weights and inputs, run as rank 0 of a world of one (code asking for
+    its process group gets one, as under capture); call inside `numeric_setting`."""
+    with _RealFloats():  # dispatch modes are per thread
+        ref = case.reference()
+        _randomise_parameters(ref)
+        inputs = pytree.tree_map_only(torch.Tensor, _random_like, tuple(case.inputs()))
+        program = program_for(case, ref, mode)
+        state = module_state(ref)
+        outputs = [t.detach() for t in program.reference(ref, _private(state), _private(inputs))]
+        return ReferenceRun(state, inputs, program, outputs)
+
+
+def run_rank(case: Case, reference: ReferenceRun, rank: int, world_size: int) -> tuple[list[torch.Tensor], Trained]:
+    """One rank's program on its part of the reference's state and inputs, inside its process group."""
+    with _RealFloats():
+        model = case.distributed(rank, world_size)
+        outputs, trained = reference.program.rank(model, _private(reference.state), _private(reference.inputs), rank,
+                                                  world_size, _private(reference.bound))
+        return _plain(outputs), trained
+
+
+def judge(reference: ReferenceRun, runs: list[tuple[list[torch.Tensor], Trained]], atol: float = 1e-6,
+          rtol: float = 1e-6) -> NumericResult:
+    """Every rank's run (`run_rank`) against the reference, claim by claim."""
     outputs = [outs for outs, _ in runs]
     try:
-        checks = agreed([program.checks(len(ref_out), len(outs), trained) for outs, trained in runs])
+        checks = agreed([reference.program.checks(len(reference.outputs), len(outs), trained) for outs, trained in runs])
     except CaseError as mismatch:
         return NumericResult(False, math.inf, math.inf, str(mismatch))
-    return _compare(ref_out, outputs, checks, atol, rtol)
+    return compare(reference.outputs, outputs, checks, atol, rtol)
 
 
 class _RealFloats(TorchDispatchMode):
@@ -304,8 +332,8 @@ def _raise_first_error(errors: dict[int, BaseException], hung: list[int]) -> Non
         raise RuntimeError(f"ranks {sorted(errors)} exited without an error")
 
 
-def _compare(ref_out: list[torch.Tensor], rank_outs: list[list[torch.Tensor]], checks: list[Check], atol: float,
-             rtol: float) -> NumericResult:
+def compare(ref_out: list[torch.Tensor], rank_outs: list[list[torch.Tensor]], checks: list[Check], atol: float = 1e-6,
+            rtol: float = 1e-6) -> NumericResult:
     """Claim by claim; outputs of the wrong shape refute their claim alone."""
     results: list[_Check] = []
     worst: dict[str, _Check] = {}  # per refuted claim, its largest failure
