@@ -25,7 +25,7 @@ FUNCOL_OPS = {"sum": ("max", "avg"), "avg": ("max", "sum"), "max": ("sum",)}
 DISTRIBUTED_ROOTS = ("distributed", "shard_state", "shard_input", "distributed_step")
 REFERENCE_ROOTS = ("reference", "inputs", "loss", "optimizer")
 SIZE_NAME = re.compile(r"(^|_)(world_size|(tp|dp|sp|cp|ep)_size|tp_world_size)$")
-RANK_NAME = re.compile(r"(^|_)rank$")
+RANK_NAME = re.compile(r"^(?!(per|num|n)_)(\w+_)?rank$")  # rank, tp_rank; not per_rank (a count)
 STRICTER = {ast.Lt: "<=", ast.LtE: "<", ast.Gt: ">=", ast.GtE: ">"}
 SWAPPABLE = {ast.Sub: "-", ast.Div: "/", ast.MatMult: "@"}
 
@@ -252,7 +252,7 @@ def _int_constant(node: ast.expr) -> int | None:
 
 def _is_rank(name: str) -> bool:
     """A name holding a rank (`rank`, `tp_rank`); `get_rank()` calls are mutated as calls."""
-    return bool(RANK_NAME.search(name)) and name != "get_rank"
+    return bool(RANK_NAME.match(name)) and name != "get_rank"
 
 
 def all_mutants(paths: list[Path]) -> Iterator[Mutant]:
