@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable
 
+from shardproof.errors import ShardproofError
 from shardproof.programs import NumericResult
 from shardproof.relations.diagnose import Finding
 
@@ -25,7 +26,8 @@ def confirmed(numeric: Callable[[], NumericResult], findings: list[Finding], ele
     differ for almost all weights; a wrong-layout finding could also be a missing rule, so it
     stands only if the numbers differ. If no finding stands, the lead one turns `unknown` and says
     why. Ranks that issue different collectives need no numbers: a real run would hang or mix tensors.
-    A model too large to run, or whose numeric run fails, keeps its structural faults only."""
+    A model too large to run, or whose numeric run fails, keeps its structural faults only; a
+    program that raises in its own code when run is unusable input (CaseError)."""
     lead = findings[0]
     if lead.kind == "mismatched collectives":
         return findings
@@ -33,6 +35,8 @@ def confirmed(numeric: Callable[[], NumericResult], findings: list[Finding], ele
         return _structural(findings, "model too large to run")
     try:
         numbers = numeric()
+    except ShardproofError:  # the program itself fails: unusable input
+        raise
     except Exception as err:  # noqa: BLE001 - a run that fails confirms nothing, and is no discrepancy itself
         first_line = (str(err).strip().splitlines() or [""])[0]
         return _structural(findings, f"the numeric run failed: {type(err).__name__}: {first_line}")

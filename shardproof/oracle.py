@@ -13,10 +13,13 @@ gloo processes would do the same at roughly 100x the start-up cost.
 from __future__ import annotations
 
 import math
+import sysconfig
 import threading
 import time
+import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
@@ -25,6 +28,7 @@ from torch._C._distributed_c10d import AllgatherOptions, ReduceScatterOptions
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss as loss_module
+from torch.testing._internal.distributed import multi_threaded_pg
 from torch.testing._internal.distributed.multi_threaded_pg import (
     ProcessLocalGroup,
     _install_threaded_pg,
@@ -323,13 +327,34 @@ def _join(threads: list[threading.Thread]) -> list[int]:
 
 
 def _raise_first_error(errors: dict[int, BaseException], hung: list[int]) -> None:
-    """A rank's own exception is the user's to see; peers it woke only exit with SystemExit."""
+    """A rank's own exception is the user's to see; peers it woke only exit with SystemExit. Raised
+    in the user's code, it makes the program unusable input (a real run fails there too)."""
     for rank, err in sorted(errors.items()):
         if not isinstance(err, SystemExit):
+            where = _user_frame(err)
+            if where is not None:
+                first_line = (str(err).strip().splitlines() or [""])[0]
+                raise CaseError(f"the program raises on rank {rank} at {Path(where.filename).name}:{where.lineno} "
+                                f"(`{where.line}`): {type(err).__name__}: {first_line}") from err
             err.add_note(f"raised on rank {rank} of the numeric oracle")
             raise err
     if not hung and errors:
         raise RuntimeError(f"ranks {sorted(errors)} exited without an error")
+
+
+def _user_frame(err: BaseException) -> traceback.FrameSummary | None:
+    """The innermost frame of the user's code in the traceback; None when the error comes from the
+    threaded process group's own limits (not the program's) or no user frame shows."""
+    frames = traceback.extract_tb(err.__traceback__)
+    if any(f.filename.startswith(_THREADED_GROUP) for f in frames):
+        return None
+    mine = [f for f in frames if not f.filename.startswith(_LIBRARIES)]
+    return mine[-1] if mine else None
+
+
+_THREADED_GROUP = str(Path(multi_threaded_pg.__file__).parent)
+_LIBRARIES = tuple({str(Path(torch.__file__).parents[1]), str(Path(__file__).parent), sysconfig.get_paths()["stdlib"],
+                    sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
 
 
 def compare(ref_out: list[torch.Tensor], rank_outs: list[list[torch.Tensor]], checks: list[Check], atol: float = 1e-6,

@@ -218,3 +218,49 @@ def test_graph_dumps_that_do_not_exist_are_named_before_any_work(tmp_path: Path,
     assert main(args) == 2 and f"--distributed {tmp_path / 'ranks'}: not found" in capsys.readouterr().err
     assert main([*args[:3], "--distributed", str(tmp_path), "--relations", "pins.json"]) == 2
     assert "--relations pins.json: not found" in capsys.readouterr().err
+
+
+EMBEDDING = '''
+import torch, torch.distributed as dist, torch.nn.functional as F
+
+VOCAB, WIDTH = 16, 4
+
+class Embedding(torch.nn.Module):
+    def __init__(self, rows=VOCAB):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(rows, WIDTH))
+
+    def forward(self, ids):
+        return F.embedding(ids, self.weight)
+
+class VocabParallelEmbedding(Embedding):
+    def __init__(self, rank, world_size):
+        super().__init__(VOCAB // world_size)
+        self.start, self.end = rank * (VOCAB // world_size), (rank + 1) * (VOCAB // world_size)
+
+    def forward(self, ids):
+        outside = (ids < self.start) | (ids >= self.end)
+        local = (self.start - ids).masked_fill(outside, 0)
+        rows = F.embedding(local, self.weight).masked_fill(outside[..., None], 0.0)
+        dist.all_reduce(rows)
+        return rows
+
+def reference():
+    return Embedding()
+
+def distributed(rank, world_size):
+    return VocabParallelEmbedding(rank, world_size)
+
+def inputs():
+    return (torch.arange(VOCAB).view(2, 8),)
+'''
+
+
+def test_a_program_that_raises_when_run_exits_2_naming_the_rank_and_line(tmp_path: Path, capsys) -> None:
+    """Ids shifted the wrong way (start - id): the ranks look up negative rows. The proof finds the
+    fault, the numeric run fails: unusable input, with the rank and the line, never a traceback."""
+    assert main(["verify", _case(tmp_path, EMBEDDING), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    line = _line_of(EMBEDDING, "rows = F.embedding")
+    assert f"the program raises on rank 0 at case.py:{line}" in err and "IndexError" in err, err
+    assert "Traceback" not in err

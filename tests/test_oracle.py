@@ -16,6 +16,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from shardproof import verify
 from shardproof.case import Case
+from shardproof.errors import CaseError
 from shardproof.oracle import run_numeric
 
 HIDDEN, FFN = 8, 16
@@ -103,7 +104,7 @@ def test_rank_exception_propagates_and_leaves_no_threads() -> None:
             raise ValueError("bad rank")
         return Mlp(FFN // n, reduce=True)
 
-    with pytest.raises(ValueError, match="bad rank"):
+    with pytest.raises(CaseError, match=r"raises on rank 1 at test_oracle.py:\d+ \(`raise ValueError\(\"bad rank\"\)`\): ValueError: bad rank"):
         run_numeric(Case(reference=Mlp, distributed=broken, inputs=_inputs), 2)
     assert threading.active_count() == before
     assert not dist.is_initialized()

@@ -18,7 +18,8 @@ from shardproof.relations.rules import Rules
 
 
 class CollectiveMismatch(Exception):
-    """Ranks issue different collective sequences: a real program would hang or mix tensors."""
+    """Ranks issue different collective sequences, or one collective for tensors of different
+    shapes: a real program would hang, fail or mix tensors."""
 
     def __init__(self, message: str, nodes: list[tuple[int, Node]]):
         super().__init__(message)
@@ -95,7 +96,7 @@ def resolve_collective(
         members = [(r, _waiting_at(ranks, cursors, r)) for r in group]
         if any(n is None or _group_of(n) != group for _, n in members):
             continue
-        mismatched = [(r, n) for r, n in members if n.op != node.op]
+        mismatched = [(r, n) for r, n in members if n.op != node.op or n.shape != node.shape]
         if mismatched:
             raise _mismatch(first, node, mismatched)
         _exchange(rules, ranks, terms, cursors, group)
@@ -119,10 +120,14 @@ def _mismatch(first: int, node: Node, others: list[tuple[int, Node | None]]) -> 
             return "has finished"
         if n.op == "call":  # a repeated module's call (shardproof.partition), collectives inside
             return f"calls module {n.attrs[2]}"
-        return f"calls {n.op} over ranks {list(_group_of(n))}"
+        return f"calls {n.op} over ranks {list(_group_of(n))}{shaped(n)}"
+
+    def shaped(n: Node) -> str:  # tensors of other shapes: a real run fails or reads past their ends
+        return f" for a tensor of shape {tuple(n.shape)}" if any(o and o.op == n.op and o.shape != n.shape
+                                                                   for _, o in [(first, node), *others]) else ""
 
     return CollectiveMismatch(
-        f"rank {first} calls {node.op} over ranks {list(_group_of(node))} but "
+        f"rank {first} calls {node.op} over ranks {list(_group_of(node))}{shaped(node)} but "
         + ", ".join(f"rank {r} {doing(n)}" for r, n in others),
         [(first, node)] + [(r, n) for r, n in others if n is not None],
     )
@@ -153,22 +158,23 @@ def _combined(rules: Rules, node: Node, inputs: list[int]) -> int:
     n = len(inputs)
     if node.op == "all_gather":
         return rules.cat(inputs, node.attrs[0])
-    reduce_op = _reduce_op(node)
-    if reduce_op == "max":
+    op = reduce_op(node)
+    if op == "max":
         return rules.maximum(inputs)
-    if reduce_op in ("sum", "mean"):
-        weight = Fraction(1, n) if reduce_op == "mean" else Fraction(1)
+    if op in ("sum", "mean"):
+        weight = Fraction(1, n) if op == "mean" else Fraction(1)
         return rules.lin([(t, weight) for t in inputs])
-    return rules.literal(f"all_reduce_{reduce_op}", tuple(inputs), (), node.shape, node.dtype)
+    return rules.literal(f"all_reduce_{op}", tuple(inputs), (), node.shape, node.dtype)
 
 
-def _reduce_op(node: Node) -> str:
+def reduce_op(node: Node) -> str:
+    """A reducing collective's op: sum, mean, max, ..."""
     return node.attrs[0] if node.op == "all_reduce" else node.attrs[1]
 
 
 def _share(rules: Rules, node: Node, combined: int, position: int) -> int:
     """The member at `position`'s result: all of it, or its chunk of a reduce-scatter."""
-    if node.op != "reduce_scatter" or _reduce_op(node) not in _REDUCTIONS:
+    if node.op != "reduce_scatter" or reduce_op(node) not in _REDUCTIONS:
         return combined
     dim = node.attrs[0]
     size = node.shape[dim]

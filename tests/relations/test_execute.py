@@ -37,3 +37,17 @@ def test_a_cycle_of_waiting_groups_is_a_mismatch() -> None:
     orders = {0: [DP, TP], 1: [TP, DP], 2: [TP, DP], 3: [DP, TP]}
     with pytest.raises(CollectiveMismatch, match="rank 0 calls all_reduce over ranks \\[0, 2\\]"):
         execute(Graph(), [_rank(r, orders[r]) for r in range(4)])
+
+
+def test_one_collective_for_tensors_of_other_shapes_is_a_mismatch() -> None:
+    """Rank 1 all-gathers a tensor twice as wide as rank 0's: a real run fails, however the
+    concatenation would read."""
+    graphs = []
+    for rank, width in enumerate((2, 4)):
+        graph = Graph(rank=rank)
+        value = graph.add("leaf", (), (f"input:{rank}",), (width,), "float32", "x")
+        graph.outputs = [graph.add("all_gather", (value,), (0, (0, 1)), (2 * width,), "float32", "gathered")]
+        graphs.append(graph)
+    with pytest.raises(CollectiveMismatch, match=r"rank 0 calls all_gather over ranks \[0, 1\] for a tensor of shape "
+                                                 r"\(4,\) but rank 1 calls all_gather over ranks \[0, 1\] for a tensor of shape \(8,\)"):
+        execute(Graph(), graphs)

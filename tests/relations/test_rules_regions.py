@@ -410,3 +410,14 @@ def test_broadcast_of_a_sum_is_the_sum_of_broadcasts():
     wide = b.expand(b.view(b.sub(x, y), (1, 3)), (4, 3))
     b.check(wide)
     assert b.op_of(wide) == "lin"
+
+
+def test_cat_of_parts_empty_along_its_dim_is_empty():
+    """A rank whose share is empty (rows [4:4) of each part) concatenates nothing: an empty value."""
+    b = Build()
+    x1, x2 = b.leaf("x1", (4, 3)), b.leaf("x2", (2, 3))
+    y = b.cat([b.sl(x1, 0, 4, 4), b.sl(x2, 0, 2, 2)], 0)
+    b.check(y)
+    assert b.r.shape(y.term) == (0, 3)
+    empty_slice = b.sl(b.cat([x1, x1], 0), 0, 8, 8)
+    b.check(empty_slice)

@@ -16,7 +16,7 @@ class CollectiveFaults:
     """Divergences at a collective."""
 
     def _at_collective(self, rank: int, node: Node) -> Finding:
-        narrow = self._wrong_group(rank, node)
+        narrow = self._wrong_group(rank, node) or self._wrong_reduce_op(rank, node)
         if narrow is not None:
             return narrow
         t = self.run.ranks[rank][node.id]

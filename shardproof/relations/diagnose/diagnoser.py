@@ -15,6 +15,7 @@ from shardproof.relations.diagnose.finding import Finding
 from shardproof.relations.diagnose.lookups import MaskedLookups
 from shardproof.relations.diagnose.missing_reduction import MissingReductions
 from shardproof.relations.diagnose.overlap import OverlappingShards
+from shardproof.relations.diagnose.reads import CollectiveOperands
 from shardproof.relations.diagnose.shards import RankChunks
 from shardproof.relations.diagnose.wrong_layout import LayoutFaults
 from shardproof.relations.diagnose.wrong_scale import ScaleFaults
@@ -24,7 +25,8 @@ from shardproof.relations.skipped import skipped_backward
 from shardproof.report.terms import describe, line_of, placement, value_name
 
 
-class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, OverlappingShards, MaskedLookups, LayoutFaults, RankChunks):
+class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOperands, OverlappingShards, MaskedLookups,
+                LayoutFaults, RankChunks):
     def __init__(self, run: Execution, reference: Graph, ranks: list[Graph]):
         self.run = run
         self.r: Rules = run.rules
@@ -68,7 +70,8 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, OverlappingSha
         if divergence is not None:
             rank, node, chain = divergence
             found = (
-                self._misassembled_input(rank, node)
+                self._uninitialised_read(rank, chain)
+                or self._misassembled_input(rank, node)
                 or self._mixing_reshape(rank, chain)
                 or self._misaligned_contraction(rank, chain)
                 or self._mismatched_lookup_mask(rank, chain)

@@ -54,6 +54,8 @@ class RegionRules:
                 part_box = tuple((a - offset, b - offset) if d == dim else r for d, r in enumerate(box))
                 parts.append(self.slice(part, part_box))
             offset += size
+        if not parts:  # an empty box: a rank's empty share
+            return self.slice(term.args[0], tuple((0, 0) if d == dim else r for d, r in enumerate(box)))
         return self.cat(parts, dim)
 
     def cat(self, parts: list[int], dim: int) -> int:
@@ -72,6 +74,8 @@ class RegionRules:
                     merged[-1] = joined
                     continue
             merged.append(p)
+        if not merged:  # every part is empty along `dim`: so is the result, as each of them
+            return parts[0]
         if len(merged) == 1:
             return merged[0]
         shape = list(self.shape(merged[0]))

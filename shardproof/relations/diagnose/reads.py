@@ -1,0 +1,80 @@
+"""What a collective's operands hold against what it does with them: a MAX over shares of a sum (or
+a SUM of partial maxima), and buffers read before anything wrote them (the collective that should
+fill a `torch.empty` output is missing). A part of `Diagnoser`.
+"""
+
+from __future__ import annotations
+
+from shardproof.ir.graph import Node
+from shardproof.relations.diagnose.agreement import PIECES
+from shardproof.relations.diagnose.finding import Finding
+from shardproof.relations.execute import reduce_op
+from shardproof.report.terms import line_of, placement, value_name
+
+# terms that keep their operands' elements: what they read, the result holds
+_KEEPING = {"lin", "slice", "bcast", "repeat", "cat", "view", "permute", "expand", "convert", *PIECES}
+_TORCH_NAMES = {"sum": "SUM", "mean": "AVG", "max": "MAX", "min": "MIN", "prod": "PRODUCT"}
+
+
+class CollectiveOperands:
+    """Divergences explained by what a collective or an op is handed."""
+
+    def _wrong_reduce_op(self, rank: int, node: Node) -> Finding | None:
+        """A reduction whose op does not combine the parts its inputs hold: shares of a sum need
+        SUM (or AVG, a scaled sum), partial maxima need MAX."""
+        if node.op not in ("all_reduce", "reduce_scatter"):
+            return None
+        held = self._held({self.run.ranks[rank][node.inputs[0]]}, set(PIECES))
+        op = _TORCH_NAMES.get(reduce_op(node), reduce_op(node).upper())
+        if "piece" in held and op not in ("SUM", "AVG"):
+            kind, whole, needed = "partial sum", "sum", "SUM"
+        elif held == {"max_piece"} and op != "MAX":
+            kind, whole, needed = "partial max", "maximum", "MAX"
+        else:
+            return None
+        value = value_name(self.ranks[rank][node.inputs[0]])
+        return Finding(
+            "discrepancy",
+            "wrong reduce op",
+            f"wrong reduce op: `{node.op}` over ranks {list(node.attrs[-1])} combines {value}, each rank's share of "
+            f"a {whole} over ranks (`{placement(kind)}`), with ReduceOp.{op}; the shares make the reference's "
+            f"value only with ReduceOp.{needed}",
+            [(rank, node)],
+            op=node.op,
+            fix=f"reduce {value} with ReduceOp.{needed}, not ReduceOp.{op}, at {line_of(node)}",
+        )
+
+    def _uninitialised_read(self, rank: int, chain: list[Node]) -> Finding | None:
+        """The first op of the chain whose operand holds elements of a buffer nobody wrote."""
+        graph, terms = self.ranks[rank], self.run.ranks[rank]
+        for node in chain:
+            for i in node.inputs:
+                empty = self._held({terms[i]}, {"empty"}, found_terms=True)
+                if not empty:
+                    continue
+                buffer = graph[self.r.u[min(empty)].attrs[1]]
+                return Finding(
+                    "discrepancy",
+                    "uninitialised memory read",
+                    f"uninitialised memory read: `{node.op}` on rank {rank} reads elements of {value_name(buffer)}, "
+                    f"allocated empty at {line_of(buffer)}, that nothing wrote: the collective or copy that should "
+                    "fill it is missing",
+                    [(rank, node), (rank, buffer)],
+                    op=node.op,
+                    fix=f"fill {value_name(buffer)} (the all-gather or copy into it) before {line_of(node)}",
+                )
+        return None
+
+    def _held(self, todo: set[int], wanted: set[str], found_terms: bool = False) -> set:
+        """The ops among `wanted` found in the terms whose elements `todo` keeps (term ids with
+        `found_terms`, else op names)."""
+        seen, found = set(), set()
+        while todo:
+            t = todo.pop()
+            seen.add(t)
+            term = self.r.u[t]
+            if term.op in wanted:
+                found.add(t if found_terms else term.op)
+            elif term.op in _KEEPING:
+                todo |= set(term.args) - seen
+        return found

@@ -1,0 +1,132 @@
+"""What a collective is handed: a MAX over shares of a sum, a SUM of partial maxima (wrong reduce op),
+and a buffer made with torch.empty that the missing all-gather should have filled (uninitialised
+memory read). Each buggy program is found at its line and disagrees numerically; each fixed twin is
+proven and agrees."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from shardproof import verify
+from shardproof.case import Case
+from shardproof.oracle import run_numeric
+
+HIDDEN, FFN, VOCAB = 8, 16, 12
+
+
+class Mlp(nn.Module):
+    def __init__(self, ffn: int = FFN):
+        super().__init__()
+        self.up = nn.Linear(HIDDEN, ffn, bias=False)
+        self.down = nn.Linear(ffn, HIDDEN, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class RowParallelMlp(Mlp):
+    def __init__(self, world_size: int, op: dist.ReduceOp):
+        super().__init__(FFN // world_size)
+        self.op = op
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.down(F.gelu(self.up(x)))
+        dist.all_reduce(y, op=self.op)  # BUG when op is MAX
+        return y
+
+
+class Logits(nn.Module):
+    """The largest logit of each token: its max over the vocabulary."""
+
+    def __init__(self, vocab: int = VOCAB):
+        super().__init__()
+        self.head = nn.Linear(HIDDEN, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x).amax(-1)
+
+
+class VocabParallelMax(Logits):
+    def __init__(self, world_size: int, op: dist.ReduceOp):
+        super().__init__(VOCAB // world_size)
+        self.op = op
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        local_max = self.head(x).amax(-1)
+        dist.all_reduce(local_max, op=self.op)  # BUG when op is SUM
+        return local_max
+
+
+class GatheredLogits(nn.Module):
+    def __init__(self, world_size: int, gather: bool):
+        super().__init__()
+        self.head = nn.Linear(HIDDEN, VOCAB // world_size, bias=False)
+        self.world_size, self.gather = world_size, gather
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        local = self.head(x)
+        pieces = [torch.empty_like(local) for _ in range(self.world_size)]
+        if self.gather:
+            dist.all_gather(pieces, local)
+        return torch.cat(pieces, dim=-1)  # BUG without the all_gather
+
+
+class Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x)
+
+
+def _inputs() -> tuple:
+    return (torch.randn(2, 3, HIDDEN),)
+
+
+def _check(case: Case, world_size: int, kind: str | None) -> str:
+    report = verify(case, world_size=world_size)
+    numbers = run_numeric(case, world_size)
+    if kind is None:
+        assert report.verdict == "equivalent", report.diagnosis
+        assert numbers.agree, numbers.detail
+        return ""
+    assert not numbers.agree
+    assert report.verdict == "discrepancy" and report.kind == kind, report.diagnosis
+    culprit = report.distributed[0]
+    assert Path(culprit.file).name == Path(__file__).name and "# BUG" in culprit.code, report.distributed
+    return report.diagnosis + " | " + report.fix
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_max_over_shares_of_a_sum_is_a_wrong_reduce_op(world_size: int) -> None:
+    def case(op: dist.ReduceOp) -> Case:
+        return Case(Mlp, lambda r, n: RowParallelMlp(n, op), _inputs)
+
+    said = _check(case(dist.ReduceOp.MAX), world_size, "wrong reduce op")
+    assert "ReduceOp.MAX" in said and "only with ReduceOp.SUM" in said and "`y`" in said
+    _check(case(dist.ReduceOp.SUM), world_size, None)
+
+
+def test_a_sum_of_partial_maxima_is_a_wrong_reduce_op() -> None:
+    def case(op: dist.ReduceOp) -> Case:
+        return Case(Logits, lambda r, n: VocabParallelMax(n, op), _inputs)
+
+    said = _check(case(dist.ReduceOp.SUM), 2, "wrong reduce op")
+    assert "Partial(max)" in said and "only with ReduceOp.MAX" in said
+    _check(case(dist.ReduceOp.MAX), 2, None)
+
+
+def test_a_buffer_no_all_gather_filled_is_an_uninitialised_memory_read() -> None:
+    def case(gather: bool) -> Case:
+        return Case(Head, lambda r, n: GatheredLogits(n, gather), _inputs, output="replicate")
+
+    said = _check(case(False), 2, "uninitialised memory read")
+    assert "`pieces`" in said and "allocated empty at line" in said and "nothing wrote" in said
+    _check(case(True), 2, None)
