@@ -42,12 +42,12 @@ def test_draws_are_reproducible(bench: ModuleType):
 
 
 @pytest.mark.slow
-def test_a_deleted_all_reduce_is_killed_on_its_line(bench: ModuleType):
+def test_a_deleted_or_max_all_reduce_is_killed_on_its_line(bench: ModuleType):
     """Real gloo ranks say the mutant differs; shardproof finds it at the mutated line."""
     mutants = importlib.import_module("mutants").mutants(CASES / "missing-allreduce_fixed.py")
     deleted = [m for m in mutants if m.operator == "collective deleted" and "reduce_from" in m.before]
     max_op = [m for m in mutants if m.operator == "ReduceOp changed"][:1]
     outcomes = bench.run(deleted + max_op, world_size=2, timeout=300, progress=False)
-    assert outcomes[0].truth == "differs" and outcomes[0].row == "killed" and outcomes[0].on_line, outcomes[0]
-    assert outcomes[1].truth == "differs" and outcomes[1].row not in ("unsound", "crash"), outcomes[1]
-    assert "| killed | 1 |" in bench.table(outcomes)
+    for outcome in outcomes:  # the all-reduce deleted; made a MAX (a wrong reduce op)
+        assert outcome.truth == "differs" and outcome.row == "killed" and outcome.on_line, outcome
+    assert "| killed | 2 |" in bench.table(outcomes)
