@@ -8,23 +8,32 @@ depend on the rank (which replica group it is in). Constants whose values the du
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from typing import Callable
 
 from shardproof.errors import GraphFileError, UnsupportedOp
 from shardproof.importers.graph_inputs import ImportedGraph
+import torch
+
+from shardproof.importers.hlo_sharding import Tiling, gspmd_tiling, sdy_meshes, sdy_tilings
 from shardproof.importers.hlo_text import (
     HloModule,
     Instruction,
+    SourceFrame,
     groups,
     int_list,
     parse_hlo,
     slice_ranges,
     unquote,
 )
+from shardproof.ir.aten_ops import Operand, is_open
+from shardproof.ir.aten_ops import kind as aten_kind
 from shardproof.ir.build import GraphBuilder
 from shardproof.ir.graph import Graph, Location
+from shardproof.ir.ops import run_op
+from shardproof.ir.run import constant
 
 Value = int | tuple  # an IR node id, or a tuple of values for tuple-shaped instructions
 
@@ -35,8 +44,12 @@ def load_hlo(path: str) -> HloModule:
 
 
 def world_size_of(module: HloModule) -> int | None:
-    """The number of ranks an SPMD module's collectives span, if it has any."""
-    members = [r for i in module.entry_computation.instructions for g in _replica_groups(i) for r in g]
+    """The number of ranks an SPMD module runs on: `num_partitions=` when the module says, else
+    the ranks its collectives span."""
+    stated = re.search(r"\bnum_partitions=(\d+)", module.header)
+    if stated and int(stated.group(1)) > 1:
+        return int(stated.group(1))
+    members = [r for c in module.computations.values() for i in c.instructions for g in _replica_groups(i) for r in g]
     return max(members) + 1 if members else None
 
 
@@ -51,24 +64,60 @@ class _Lowering:
         self.b = GraphBuilder(self.graph)
         self.env: dict[str, Value] = {}
         self.imported = ImportedGraph(self.graph, module.path)
+        self.meshes = sdy_meshes(module.header)
+        self.sites = _Sites(module)
+        self.caller: Location | None = None  # where the call being inlined is located
+        self.instructions = {i.name: i for c in module.computations.values() for i in c.instructions}
 
     def run(self) -> ImportedGraph:
         entry = self.module.entry_computation
         parameters = sorted((i for i in entry.instructions if i.opcode == "parameter"), key=lambda i: int(i.literal))
-        for instruction in parameters:
-            self.b.at(instruction.name, self.locate(instruction))
-            self.env[instruction.name] = self.imported.add_input(instruction.name, instruction.type.dims, instruction.type.dtype)
-        for instruction in entry.instructions:
-            if instruction.opcode == "parameter":
-                continue
-            self.b.at(instruction.name, self.locate(instruction))
-            lower = _LOWER.get(instruction.opcode)
-            if lower is None:
-                raise UnsupportedOp(f"HLO {instruction.opcode}", f"{self.module.path}:{instruction.line}")
-            self.env[instruction.name] = lower(self, instruction)
-        root = self.env[entry.root.name]
+        arguments = [self.parameter(i) for i in parameters]
+        root = self.computation(entry.name, arguments)
+        if "sharding" in entry.root.attrs and entry.root.opcode != "tuple":
+            self.b.at(entry.root.name, self.locate(entry.root))
+            root = self.gather(root, self.tiling(entry.root.attrs["sharding"], entry.root))
         self.graph.outputs = list(_flatten(root))
         return self.imported
+
+    def parameter(self, instruction: Instruction) -> int:
+        """An entry parameter; one that states a sharding in a partitioned module is the rank's
+        tile of a global input, cut here, so the inputs relate to the reference's as stated."""
+        self.b.at(instruction.name, self.locate(instruction))
+        name = _op_name(instruction)
+        if name:
+            self.imported.labels[instruction.name] = name
+        dims, dtype = instruction.type.dims, instruction.type.dtype
+        tiling = self.tiling(instruction.attrs["sharding"], instruction) if "sharding" in instruction.attrs and self.partitioned else None
+        if tiling is None or not tiling.sharded:
+            return self.imported.add_input(instruction.name, dims, dtype)
+        full = tuple(size * count for size, (_, count, _) in zip(dims, tiling.dims))
+        return self.cut(self.imported.add_input(instruction.name, full, dtype), tiling)
+
+    @property
+    def partitioned(self) -> bool:
+        return (world_size_of(self.module) or 1) > 1 and self.rank is not None
+
+    def computation(self, name: str, arguments: list[Value]) -> Value:
+        """Lower a computation on these arguments, in its own scope: `call`, `fusion` and the
+        entry all come through here, so a called computation is inlined at each call."""
+        computation = self.module.computations.get(name.lstrip("%"))
+        if computation is None:
+            raise GraphFileError(self.module.path, 0, f"a computation named {name}", name)
+        outer, self.env = self.env, {}
+        try:
+            for instruction in computation.instructions:
+                if instruction.opcode == "parameter":
+                    self.env[instruction.name] = arguments[int(instruction.literal)]
+                    continue
+                self.b.at(instruction.name, self.locate(instruction))
+                lower = _LOWER.get(instruction.opcode)
+                if lower is None:
+                    raise UnsupportedOp(f"HLO {instruction.opcode}", f"{self.module.path}:{instruction.line}")
+                self.env[instruction.name] = lower(self, instruction)
+            return self.env[computation.root.name]
+        finally:
+            self.env = outer
 
     # --- helpers ------------------------------------------------------------------------------
     def operand(self, instruction: Instruction, index: int) -> int:
@@ -87,9 +136,9 @@ class _Lowering:
 
     def locate(self, instruction: Instruction) -> Location:
         code = f"{instruction.opcode}({', '.join('%' + o for o in instruction.operands)})"
-        frame = _user_frame(instruction.attrs.get("metadata", ""))
+        frame = self.sites.frame(instruction)
         if frame is None:
-            return Location(self.module.path, instruction.line, code)
+            return self.caller or Location(self.module.path, instruction.line, code)
         return Location(frame[0], frame[1], code)
 
     def group(self, instruction: Instruction) -> tuple[int, ...]:
@@ -111,6 +160,120 @@ class _Lowering:
         if opcode not in _REDUCERS:
             raise UnsupportedOp(f"HLO reduction by `{opcode}`", f"{self.module.path}:{instruction.line}")
         return _REDUCERS[opcode]
+
+    def tiling(self, sharding: str, instruction: Instruction) -> Tiling:
+        tiling = gspmd_tiling(sharding, self.rank or 0, len(instruction.type.dims))
+        if tiling is None:
+            raise UnsupportedOp(f"HLO sharding {sharding}", f"{self.module.path}:{instruction.line}")
+        return tiling
+
+    def cut(self, value: int, tiling: Tiling) -> int:
+        """This rank's tile of a global array."""
+        for dim, (index, count, _) in enumerate(tiling.dims):
+            if count > 1:
+                size = self.b.shape(value)[dim] // count
+                value = self.b.slice(value, dim, index * size, (index + 1) * size)
+        return value
+
+    def gather(self, value: int, tiling: Tiling) -> int:
+        """The global array from every rank's tile: an all-gather along each split dim."""
+        for dim, (_, count, members) in enumerate(tiling.dims):
+            if count > 1:
+                shape = list(self.b.shape(value))
+                shape[dim] *= count
+                value = self.b.add("all_gather", (value,), (dim, members), tuple(shape), self.b.dtype(value))
+        return value
+
+    def module_instruction(self, name: str) -> Instruction | None:
+        return self.instructions.get(name)
+
+    def module_type(self, name: str):
+        instruction = self.instructions.get(name)
+        return instruction.type if instruction is not None else None
+
+    def sdy(self, instruction: Instruction, key: str, ndims: list[int]) -> list[Tiling]:
+        text = re.search(key.replace(".", r"\.") + r'="((?:[^"\\]|\\.)*)"', instruction.attrs.get("frontend_attributes", ""))
+        tilings = sdy_tilings(text.group(1), self.meshes, self.rank or 0, ndims) if text else None
+        if tilings is None:
+            raise UnsupportedOp(f"HLO custom-call without a readable `{key}`", f"{self.module.path}:{instruction.line}")
+        return tilings
+
+    def static(self, value: int) -> int | None:
+        """The integer a scalar computes when it depends on constants and the rank alone (a
+        rank's slice offset: `partition-id` times a size), else None."""
+        ancestors = self.graph.ancestors(self.graph[value])
+        if any(n.op not in _STATIC_OPS and not is_open(n.op) for n in ancestors) or len(ancestors) > 64:
+            return None
+        if any(is_open(n.op) and aten_kind(n.op) != "pointwise" for n in ancestors):
+            return None
+        values: dict[int, torch.Tensor] = {}
+        for node in ancestors:
+            if node.op == "const":
+                values[node.id] = constant(node)
+            else:
+                values[node.id] = run_op(node.op, [values[i] for i in node.inputs], node.attrs)
+        return int(values[value].reshape(-1)[0])
+
+
+_STATIC_OPS = {"const", "view", "permute", "convert", "expand", "add", "mul", "div", "neg", "maximum", "minimum", "slice", "lt", "le", "gt", "ge", "eq", "ne", "where"}
+
+
+class _Sites:
+    """Where each instruction is in the user's code, from its metadata: a stack frame of the
+    module's tables (`stack_frame_id=N`) or `source_file=`/`source_line=`.
+
+    The site is the innermost user frame, except for a value returned out of a helper (a function
+    the module calls from several lines): that is located at the line that called the helper, in
+    the caller, where a reduction missing from between the helper's result and its use belongs."""
+
+    def __init__(self, module: HloModule):
+        self.module = module
+        self.users: dict[str, list[Instruction]] = {}
+        self.callers: dict[tuple[str, str], set[tuple[str, int]]] = {}
+        for computation in module.computations.values():
+            for instruction in computation.instructions:
+                for operand in instruction.operands:
+                    self.users.setdefault(operand, []).append(instruction)
+                stack = self.stack(instruction)
+                for caller, callee in zip(stack, stack[1:]):
+                    self.callers.setdefault(_function(callee), set()).add((caller.file, caller.line))
+
+    def stack(self, instruction: Instruction) -> list[SourceFrame]:
+        frame_id = re.search(r"stack_frame_id=(\d+)", instruction.attrs.get("metadata", ""))
+        if frame_id is None:
+            return []
+        return [f for f in self.module.stack(int(frame_id.group(1))) if not _library(f.file)]
+
+    def frame(self, instruction: Instruction) -> tuple[str, int] | None:
+        stack = self.stack(instruction)
+        if not stack:
+            return _user_frame(instruction.attrs.get("metadata", ""))
+        shared = len(stack)  # how deep the value's users share its stack
+        for user in self.users.get(instruction.name, []):
+            theirs = self.stack(user)
+            if theirs:
+                common = 0
+                while common < min(len(stack), len(theirs)) and _function(stack[common]) == _function(theirs[common]):
+                    common += 1
+                shared = min(shared, common)
+        depth = len(stack)
+        while depth > 1 and shared < depth and len(self.callers.get(_function(stack[depth - 1]), ())) > 1:
+            depth -= 1
+        site = stack[depth - 1]
+        return site.file, site.line
+
+
+def _function(frame: SourceFrame) -> tuple[str, str]:
+    return frame.file, frame.function
+
+
+def _library(path: str) -> bool:
+    return "-packages/" in path or "/jax/_src/" in path
+
+
+def _op_name(instruction: Instruction) -> str:
+    match = re.search(r'op_name="((?:[^"\\]|\\.)*)"', instruction.attrs.get("metadata", ""))
+    return unquote(f'"{match.group(1)}"') if match else ""
 
 
 _REDUCERS = {"add": "sum", "maximum": "amax"}
@@ -309,6 +472,216 @@ def _gather(lo: _Lowering, ins: Instruction) -> int:
     return lo.b.permute(looked_up, tuple(order.index(d) for d in range(len(order))))
 
 
+def _bitcast(lo: _Lowering, ins: Instruction) -> int:
+    """A bitcast reinterprets memory: with layouts it is the operand in its physical dim order,
+    reshaped to the result's physical dims, then put back in the result's logical order; a
+    row-major reshape only when both layouts are the default."""
+    source = lo.module_type(ins.operands[0])
+    value = lo.operand(ins, 0)
+    physical_in = source.physical_order if source is not None else tuple(range(len(lo.b.shape(value))))
+    physical_out = ins.type.physical_order
+    moved = lo.b.permute(value, physical_in)
+    laid = lo.b.view(moved, tuple(ins.type.dims[d] for d in physical_out))
+    return lo.b.permute(laid, tuple(physical_out.index(d) for d in range(len(physical_out))))
+
+
+def _call(lo: _Lowering, ins: Instruction) -> Value:
+    """`call` and `fusion`: the called computation inlined on the operands."""
+    target = ins.attrs.get("to_apply") or lo.attr(ins, "calls")
+    outer, lo.caller = lo.caller, lo.b.loc
+    try:
+        return lo.computation(target, [lo.env[name] for name in ins.operands])
+    finally:
+        lo.caller = outer
+
+
+def _partition_id(lo: _Lowering, ins: Instruction) -> int:
+    if lo.rank is None:
+        raise UnsupportedOp("HLO partition-id in a module run on one device", f"{lo.module.path}:{ins.line}")
+    return lo.b.full(lo.rank, ins.type.dims, ins.type.dtype)
+
+
+def _replica_id(lo: _Lowering, ins: Instruction) -> int:
+    """SPMD programs run as partitions of one replica."""
+    return lo.b.full(0, ins.type.dims, ins.type.dtype)
+
+
+def _starts(lo: _Lowering, ins: Instruction, first: int, sizes: tuple[int, ...], shape: tuple[int, ...]) -> list[int]:
+    """The start indices of a dynamic slice or update, each known from constants and the rank,
+    clamped into range as XLA does."""
+    starts = []
+    for dim, operand in enumerate(ins.operands[first:]):
+        start = lo.static(lo.env[operand])
+        if start is None:
+            raise UnsupportedOp(f"HLO {ins.opcode} at an offset computed from data", f"{lo.module.path}:{ins.line}")
+        starts.append(min(max(start, 0), shape[dim] - sizes[dim]))
+    return starts
+
+
+def _dynamic_slice(lo: _Lowering, ins: Instruction) -> int:
+    value = lo.operand(ins, 0)
+    sizes = int_list(lo.attr(ins, "dynamic_slice_sizes"))
+    for dim, start in enumerate(_starts(lo, ins, 1, sizes, lo.b.shape(value))):
+        value = lo.b.slice(value, dim, start, start + sizes[dim])
+    return value
+
+
+def _dynamic_update_slice(lo: _Lowering, ins: Instruction) -> int:
+    value, update = lo.operand(ins, 0), lo.operand(ins, 1)
+    starts = _starts(lo, ins, 2, lo.b.shape(update), lo.b.shape(value))
+
+    def paste(base: int, dim: int) -> int:
+        if dim == len(starts):
+            return update
+        start, size, whole = starts[dim], lo.b.shape(update)[dim], lo.b.shape(base)[dim]
+        middle = paste(lo.b.slice(base, dim, start, start + size), dim + 1)
+        parts = [lo.b.slice(base, dim, 0, start)] if start else []
+        parts.append(middle)
+        if start + size < whole:
+            parts.append(lo.b.slice(base, dim, start + size, whole))
+        return lo.b.cat(parts, dim) if len(parts) > 1 else middle
+
+    return paste(value, 0)
+
+
+def _pad(lo: _Lowering, ins: Instruction) -> int:
+    """`padding=lo_hi[_interior]x...`: edge padding by the pad value (negative: a slice)."""
+    value, pad_value = lo.operands(ins)
+    for dim, spec in enumerate(lo.attr(ins, "padding").split("x")):
+        low, high, *interior = (int(n) for n in spec.split("_"))
+        if interior and interior[0]:
+            raise UnsupportedOp("HLO pad with interior padding", f"{lo.module.path}:{ins.line}")
+        size = lo.b.shape(value)[dim]
+        value = lo.b.slice(value, dim, max(-low, 0), size - max(-high, 0))
+        parts = []
+        for amount in (low, None, high):
+            if amount is None:
+                parts.append(value)
+            elif amount > 0:
+                shape = list(lo.b.shape(value))
+                shape[dim] = amount
+                parts.append(lo.b.broadcast_to(pad_value, tuple(shape)))
+        value = lo.b.cat(parts, dim) if len(parts) > 1 else value
+    return value
+
+
+def _reduce_window(lo: _Lowering, ins: Instruction) -> int:
+    """A windowed reduction with unit strides (a cumulative sum): the padded operand's shifted
+    windows, one slice per window offset, combined elementwise."""
+    value, init = lo.operands(ins)
+    window = _fields(lo.attr(ins, "window"))
+    size = window.get("size", [])
+    if any(v != 1 for key in ("stride", "lhs_dilate", "rhs_dilate") for v in window.get(key, [])):
+        raise UnsupportedOp("HLO reduce-window with strides or dilation", f"{lo.module.path}:{ins.line}")
+    combine = {"sum": "add", "amax": "maximum"}[lo.reducer(ins)]
+    for dim, (low, high) in enumerate(window.get("pad", [(0, 0)] * len(size))):
+        if low or high:
+            shape = list(lo.b.shape(value))
+            parts = []
+            for amount in (low, None, high):
+                if amount is None:
+                    parts.append(value)
+                elif amount:
+                    shape[dim] = amount
+                    parts.append(lo.b.broadcast_to(init, tuple(shape)))
+            value = lo.b.cat(parts, dim)
+    out = ins.type.dims
+    result = None
+    for offsets in itertools.product(*(range(w) for w in size)):
+        part = value
+        for dim, k in enumerate(offsets):
+            part = lo.b.slice(part, dim, k, k + out[dim])
+        result = part if result is None else lo.b.binary(combine, result, part)
+    return result
+
+
+def _fields(text: str) -> dict[str, list]:
+    """`{size=1x3 pad=0_2x0_0}` -> {"size": [1, 3], "pad": [(0, 2), (0, 0)]}."""
+    out: dict[str, list] = {}
+    for key, value in re.findall(r"(\w+)=([\d_x\-]+)", text):
+        parts = value.split("x")
+        out[key] = [tuple(int(n) for n in p.split("_")) for p in parts] if "_" in value else [int(p) for p in parts]
+    return out
+
+
+def _all_to_all(lo: _Lowering, ins: Instruction) -> int:
+    """Split along `dimensions`, chunk j to rank j of the group, received chunks concatenated in
+    rank order: rank r's result is chunk r of every rank's tensor, which is chunk r of each block
+    of the all-gather."""
+    if len(ins.operands) != 1 or "dimensions" not in ins.attrs:
+        raise UnsupportedOp("HLO all-to-all over a tuple", f"{lo.module.path}:{ins.line}")
+    value = lo.operand(ins, 0)
+    (dim,) = int_list(ins.attrs["dimensions"])
+    group = lo.group(ins)
+    n, size = len(group), lo.b.shape(value)[dim]
+    shape = list(lo.b.shape(value))
+    shape[dim] *= n
+    gathered = lo.b.add("all_gather", (value,), (dim, group), tuple(shape), lo.b.dtype(value))
+    me, chunk = group.index(lo.rank), size // n
+    return lo.b.cat([lo.b.slice(gathered, dim, j * size + me * chunk, j * size + (me + 1) * chunk) for j in range(n)], dim)
+
+
+def _collective_permute(lo: _Lowering, ins: Instruction) -> int:
+    """Each rank receives the tensor of its source in `source_target_pairs` (zeros if none): the
+    source's block of an all-gather over every rank."""
+    value = lo.operand(ins, 0)
+    sources = [s for s, t in groups(lo.attr(ins, "source_target_pairs")) if t == lo.rank]
+    if not sources:
+        return lo.b.full(0, ins.type.dims, ins.type.dtype)
+    shape = lo.b.shape(value)
+    ranks = tuple(range(lo.world_size))
+    stacked = lo.b.view(value, (1,) + shape)
+    gathered = lo.b.add("all_gather", (stacked,), (0, ranks), (len(ranks),) + shape, lo.b.dtype(value))
+    return lo.b.view(lo.b.slice(gathered, 0, sources[0], sources[0] + 1), shape)
+
+
+def _open(op: str, order: tuple[int, ...] | None = None) -> Callable[[_Lowering, Instruction], int]:
+    """An elementwise HLO op with a torch twin: the open op of that name (`ir/aten_ops.py`), its
+    operands in `order` when torch takes them in another."""
+
+    def lower(lo: _Lowering, ins: Instruction) -> int:
+        args = lo.operands(ins)
+        args = [args[i] for i in order] if order else args
+        return lo.b.add(op, tuple(args), (tuple(Operand(i) for i in range(len(args))), (), ()), ins.type.dims, ins.type.dtype)
+
+    return lower
+
+
+def _shift_right_logical(lo: _Lowering, ins: Instruction) -> int:
+    """Equal to the arithmetic shift on unsigned types (held in wider signed IR dtypes, never negative)."""
+    if not ins.type.element.startswith("u"):
+        raise UnsupportedOp(f"HLO shift-right-logical on signed {ins.type.element}", f"{lo.module.path}:{ins.line}")
+    return _open("aten.bitwise_right_shift.Tensor")(lo, ins)
+
+
+def _global_to_local(lo: _Lowering, ins: Instruction) -> Value:
+    """Shardy's entry to a `shard_map` body: each operand's tile for this rank, as `in_shardings` state."""
+    values = [lo.env[name] for name in ins.operands]
+    tilings = lo.sdy(ins, "xla.sdy.in_shardings", [len(lo.b.shape(v)) for v in values])
+    cut = tuple(lo.cut(v, t) for v, t in zip(values, tilings))
+    return cut if ins.type.dtype == "tuple" else cut[0]
+
+
+def _local_to_global(lo: _Lowering, ins: Instruction) -> Value:
+    """Shardy's exit from a `shard_map` body: the global arrays, gathered as `out_shardings` state."""
+    values = [lo.env[name] for name in ins.operands]
+    tilings = lo.sdy(ins, "xla.sdy.out_shardings", [len(lo.b.shape(v)) for v in values])
+    gathered = tuple(lo.gather(v, t) for v, t in zip(values, tilings))
+    return gathered if ins.type.dtype == "tuple" else gathered[0]
+
+
+def _full_to_shard(lo: _Lowering, ins: Instruction) -> int:
+    """GSPMD's entry to a manual region: the tile the operand's `Sharding` annotation states."""
+    source = lo.module_instruction(ins.operands[0])
+    if source is None or "sharding" not in source.attrs:
+        raise UnsupportedOp("HLO SPMDFullToShardShape of an operand without a sharding", f"{lo.module.path}:{ins.line}")
+    return lo.cut(lo.operand(ins, 0), lo.tiling(source.attrs["sharding"], source))
+
+
+def _shard_to_full(lo: _Lowering, ins: Instruction) -> int:
+    return lo.gather(lo.operand(ins, 0), lo.tiling(lo.attr(ins, "sharding"), ins))
+
+
 def _tuple(lo: _Lowering, ins: Instruction) -> tuple:
     return tuple(lo.env[name] for name in ins.operands)
 
@@ -338,6 +711,12 @@ def _neuron_rms_norm(lo: _Lowering, ins: Instruction) -> int:
 _CUSTOM_CALLS: dict[str, Callable[[_Lowering, Instruction], Value]] = {
     "AwsNeuronTransferWithStaticRing": _identity,  # moves a weight into device memory
     "AwsNeuronRmsNorm": _neuron_rms_norm,
+    "Sharding": _identity,  # an annotation: the value, laid out as its `sharding=` says
+    "xla.sdy.FuncResultSharding": _identity,
+    "xla.sdy.GlobalToLocalShape": _global_to_local,
+    "xla.sdy.LocalToGlobalShape": _local_to_global,
+    "SPMDFullToShardShape": _full_to_shard,
+    "SPMDShardToFullShape": _shard_to_full,
 }
 
 _LOWER: dict[str, Callable[[_Lowering, Instruction], Value]] = {
@@ -345,7 +724,7 @@ _LOWER: dict[str, Callable[[_Lowering, Instruction], Value]] = {
     "iota": _iota,
     "broadcast": _broadcast,
     "reshape": _reshape,
-    "bitcast": _reshape,
+    "bitcast": _bitcast,
     "transpose": _transpose,
     "convert": _convert,
     "copy": _identity,
@@ -374,4 +753,25 @@ _LOWER: dict[str, Callable[[_Lowering, Instruction], Value]] = {
     "tuple": _tuple,
     "get-tuple-element": _get_tuple_element,
     "custom-call": _custom_call,
+    "call": _call,
+    "fusion": _call,
+    "partition-id": _partition_id,
+    "replica-id": _replica_id,
+    "dynamic-slice": _dynamic_slice,
+    "dynamic-update-slice": _dynamic_update_slice,
+    "pad": _pad,
+    "reduce-window": _reduce_window,
+    "all-to-all": _all_to_all,
+    "collective-permute": _collective_permute,
+    "clamp": _open("aten.clamp.Tensor", (1, 0, 2)),  # clamp(min, x, max)
+    "shift-right-logical": _shift_right_logical,
+    "erf": _elementwise("erf"),
+    "opt-barrier": _identity,
+    **{name: _open(op) for name, op in {
+        "remainder": "aten.fmod.Tensor", "sign": "aten.sign.default", "power": "aten.pow.Tensor_Tensor",
+        "exponential-minus-one": "aten.expm1.default", "log-plus-one": "aten.log1p.default", "floor": "aten.floor.default",
+        "ceil": "aten.ceil.default", "round-nearest-even": "aten.round.default", "is-finite": "aten.isfinite.default",
+        "atan2": "aten.atan2.default", "xor": "aten.bitwise_xor.Tensor", "shift-left": "aten.bitwise_left_shift.Tensor",
+        "shift-right-arithmetic": "aten.bitwise_right_shift.Tensor", "tan": "aten.tan.default", 
+    }.items() },  # fmt: skip
 }

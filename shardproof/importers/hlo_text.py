@@ -2,13 +2,17 @@
 
 Only the syntax lives here; what each opcode means is `importers/hlo.py`. Every instruction is one
 line: `[ROOT] %name = shape opcode(operands), key=value, ...`. Attribute values are kept as raw
-text (a balanced `{...}`, a quoted string, or a bare word) and read by the lowering that needs
-them, so attributes no lowering uses never have to be understood. A line that does not fit
-raises GraphFileError with file, line and what was expected there.
+text (everything up to the next comma outside brackets and strings) and read by the lowering that
+needs them, so attributes no lowering uses never have to be understood. `/*index=N*/` comments
+(long tuples) are dropped. Current XLA writes the Python stacks once, in tables after the
+`HloModule` line (FileNames, FunctionNames, FileLocations, StackFrames), and metadata refers to
+them by `stack_frame_id=N`: `HloModule.stack` reads them back. A line that does not fit raises
+GraphFileError with file, line and what was expected there.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -25,11 +29,27 @@ Shape = tuple[int, ...]
 
 @dataclass(frozen=True)
 class HloType:
-    """An array type (dtype and dims) or a tuple of types."""
+    """An array type (dtype, dims, and the layout when the dump states one) or a tuple of types."""
 
     dtype: str  # IR dtype name; "tuple" for tuples
     dims: Shape = ()
     elements: tuple["HloType", ...] = ()
+    minor_to_major: Shape | None = None  # `{1,0}` after the dims; None when not stated (row-major)
+    element: str = ""  # the HLO element type (`u32`): IR dtypes hold unsigned values in wider signed ones
+
+    @property
+    def physical_order(self) -> Shape:
+        """The dims from major to minor as they lie in memory."""
+        if self.minor_to_major is None:
+            return tuple(range(len(self.dims)))
+        return tuple(reversed(self.minor_to_major))
+
+
+@dataclass(frozen=True)
+class SourceFrame:
+    file: str
+    line: int
+    function: str
 
 
 @dataclass
@@ -61,28 +81,67 @@ class HloModule:
     computations: dict[str, Computation]
     entry: str
     path: str
+    header: str = ""  # the `HloModule` line's attributes
+    tables: dict[str, dict[int, str]] = field(default_factory=dict)  # stack-frame table -> id -> entry
 
     @property
     def entry_computation(self) -> Computation:
         return self.computations[self.entry]
 
+    def stack(self, frame_id: int) -> list[SourceFrame]:
+        """The Python stack of `stack_frame_id=N`, outermost call first. A frame's printed
+        `parent_frame_id` is its parent's id plus one (1: no parent)."""
+        frames, files, functions = self.tables.get("StackFrames", {}), self.tables.get("FileNames", {}), self.tables.get("FunctionNames", {})
+        locations = self.tables.get("FileLocations", {})
+        out, seen = [], set()
+        while frame_id in frames and frame_id not in seen:
+            seen.add(frame_id)
+            fields = _fields(frames[frame_id])
+            location = _fields(locations.get(fields.get("file_location_id", -1), ""))
+            file = unquote(files.get(location.get("file_name_id", -1), '""'))
+            function = unquote(functions.get(location.get("function_name_id", -1), '""'))
+            out.append(SourceFrame(file, location.get("line", 0), function))
+            frame_id = fields.get("parent_frame_id", 0) - 1
+        return out[::-1]
+
+
+def _fields(text: str) -> dict[str, int]:
+    """`{file_name_id=1 line=8}` -> {"file_name_id": 1, "line": 8}."""
+    return {k: int(v) for k, v in re.findall(r"(\w+)=(-?\d+)", text)}
+
 
 _HEADER = re.compile(r"^(ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*(\(.*\))?\s*(->.*)?\{\s*$")
+_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+_COMMENT = re.compile(r'"(?:[^"\\]|\\.)*"|/\*.*?\*/')
+
+
+def _without_comments(line: str) -> str:
+    return _COMMENT.sub(lambda m: m.group(0) if m.group(0).startswith('"') else "", line)
 
 
 def parse_hlo(text: str, path: str) -> HloModule:
     """Parse a whole module; raises GraphFileError on the first line that does not fit."""
     module_name, computations, entry, current = None, {}, None, None
+    module_line, tables, table = "", {}, None
     for number, raw in enumerate(text.splitlines(), start=1):
-        line = raw.strip()
+        line = _without_comments(raw).strip()
         if not line or line.startswith("//"):
             continue
         if module_name is None:
             if not line.startswith("HloModule"):
                 raise GraphFileError(path, number, "an `HloModule name` line: this is not an HLO text dump", line)
             module_name = line.split()[1].rstrip(",") if len(line.split()) > 1 else "module"
+            module_line = line
+            continue
+        if current is None and line in _TABLES:
+            table = tables.setdefault(line, {})
+            continue
+        if current is None and table is not None and re.match(r"\d+\s", line):
+            key, value = line.split(None, 1)
+            table[int(key)] = value
             continue
         if current is None:
+            table = None
             header = _HEADER.match(line)
             if header is None:
                 raise GraphFileError(path, number, "a computation header `%name (params) -> type {`", line)
@@ -101,7 +160,7 @@ def parse_hlo(text: str, path: str) -> HloModule:
         raise GraphFileError(path, len(text.splitlines()), f"`}}` closing computation {current.name}", "end of file")
     if entry is None:
         raise GraphFileError(path, len(text.splitlines()), "an `ENTRY` computation", "none")
-    return HloModule(module_name, computations, entry, path)
+    return HloModule(module_name, computations, entry, path, module_line, tables)
 
 
 class _Line:
@@ -166,8 +225,11 @@ class _Line:
         base, dims = token.split("[", 1)
         if base not in DTYPES:
             raise GraphFileError(self.path, self.number, f"an element type ({', '.join(DTYPES)})", base)
-        text = dims.split("]", 1)[0].replace("<=", "")
-        return HloType(DTYPES[base], tuple(int(d) for d in text.split(",") if d.strip()))
+        text, _, layout = dims.partition("]")
+        sizes = tuple(int(d) for d in text.replace("<=", "").split(",") if d.strip())
+        order = layout.strip("{}").split(":")[0]  # tiling and memory space after `:` say nothing of the order
+        minor_to_major = tuple(int(d) for d in order.split(",") if d.strip()) if layout else None
+        return HloType(DTYPES[base], sizes, (), minor_to_major if minor_to_major or not sizes else None, base)
 
     def operands(self, text: str) -> list[str]:
         names = []
@@ -204,13 +266,25 @@ class _Line:
         return match.group(0)
 
     def value(self) -> str:
+        """Up to the next comma outside brackets and strings (`{...}`, `"..."`, `[2,2]<=[4]`,
+        `mesh['tp'=2] {'tp'}`)."""
         self.skip_space()
-        if self.peek("{"):
+        start, depth = self.pos, 0
+        while self.pos < len(self.text):
+            char = self.text[self.pos]
+            if char == '"':
+                self.string()
+                continue
+            if char in "({[":
+                depth += 1
+            elif char in ")}]":
+                depth -= 1
+            elif char == "," and depth == 0:
+                break
             self.pos += 1
-            return "{" + self.balanced("}") + "}"
-        if self.peek('"'):
-            return self.string()
-        return self.take(r"[^,\s]+", "an attribute value")
+        if self.pos == start or depth:
+            raise self.fail("an attribute value")
+        return self.text[start : self.pos].strip()
 
 
 def _split_top(text: str) -> list[str]:
@@ -237,8 +311,62 @@ def int_list(text: str) -> tuple[int, ...]:
 
 
 def groups(text: str) -> list[tuple[int, ...]]:
-    """`{{0,1},{2,3}}` -> [(0, 1), (2, 3)]; `{}` -> []."""
+    """Replica groups in any of XLA's three forms, as lists of device ids:
+    `{{0,1},{2,3}}` (explicit; `{}` -> []), `[2,2]<=[2,2]T(1,0)` (an iota: group count and size,
+    the devices 0..n-1 reshaped and transposed) and `mesh['dp'=2,'tp'=2] {'tp'}` (a mesh's axes,
+    `'a':(pre)size` for a sub-axis)."""
+    text = text.strip()
+    if text.startswith("["):
+        return [tuple(int(d) for d in row) for row in iota_devices(text)]
+    if text.startswith("mesh"):
+        return _mesh_groups(text)
     return [tuple(int(x) for x in g.split(",") if x.strip()) for g in re.findall(r"\{([^{}]*)\}", text[1:-1])]
+
+
+def iota_devices(text: str) -> "numpy.ndarray":
+    """`[a,b]<=[n]` or `[a,b]<=[c,d]T(1,0)`: devices 0..n-1 reshaped to [c,d], transposed, reshaped to [a,b]."""
+    import numpy
+
+    match = re.fullmatch(r"\[([\d,\s]*)\]\s*<=\s*\[([\d,\s]*)\](?:T\(([\d,\s]*)\))?", text.strip())
+    if match is None:
+        raise ValueError(f"not an iota device list: {text}")
+    shape, reshape = int_list(match[1]), int_list(match[2])
+    devices = numpy.arange(math.prod(reshape)).reshape(reshape)
+    if match[3]:
+        devices = devices.transpose(int_list(match[3]))
+    return devices.reshape(shape)
+
+
+def _mesh_groups(text: str) -> list[tuple[int, ...]]:
+    match = re.fullmatch(r"mesh\[(.*?)\]\s*\{(.*)\}", text, re.S)
+    if match is None:
+        raise ValueError(f"not a mesh replica group: {text}")
+    axes = [(name, int(size)) for name, size in re.findall(r"'([^']+)'\s*=\s*(\d+)", match[1])]
+    names = [a for a, _ in axes]
+    refs = [(name, int(pre or 1), int(size) if size else None) for name, pre, size in re.findall(r"'([^']+)'(?::\((\d+)\)(\d+))?", match[2])]
+    sizes = [s for _, s in axes]
+    members: dict[tuple, list[tuple[tuple, int]]] = {}
+    for device in range(math.prod(sizes)):
+        coords = list(unravel(device, sizes))
+        rest, grouped = list(coords), []
+        for name, pre, size in refs:
+            axis = names.index(name)
+            size = size or sizes[axis]
+            stride = sizes[axis] // (pre * size)  # `pre` counts the sub-axes more major than this one
+            part = (coords[axis] // stride) % size
+            grouped.append(part)
+            rest[axis] -= part * stride
+        members.setdefault(tuple(rest), []).append((tuple(grouped), device))
+    return [tuple(d for _, d in sorted(group)) for group in members.values()]
+
+
+def unravel(index: int, sizes: list[int]) -> tuple[int, ...]:
+    """Row-major coordinates of `index` in a grid of `sizes`."""
+    coords = []
+    for size in reversed(sizes):
+        coords.append(index % size)
+        index //= size
+    return tuple(reversed(coords))
 
 
 def slice_ranges(text: str) -> list[tuple[int, int, int]]:

@@ -110,11 +110,11 @@ def test_cli_malformed_hlo_exits_2_with_file_line_and_expectation(mlp_pair, tmp_
 
 def test_cli_unknown_op_is_unknown_with_exit_2(mlp_pair, tmp_path: Path) -> None:
     ref, _ = mlp_pair()
-    odd = write(tmp_path / "odd.hlo", mlp(3, True).replace("logistic(%g)", "erf(%g)"))
+    odd = write(tmp_path / "odd.hlo", mlp(3, True).replace("logistic(%g)", "cbrt(%g)"))
     out = tmp_path / "out.json"
     code = main(["verify-graphs", "--reference", ref, "--distributed", odd, "--quiet", "--json", str(out)])
     report = json.loads(out.read_text())
-    assert code == 2 and report["verdict"] == "unknown" and "HLO erf" in report["unknown"]["op"]
+    assert code == 2 and report["verdict"] == "unknown" and "HLO cbrt" in report["unknown"]["op"]
 
 
 @needs_llama
