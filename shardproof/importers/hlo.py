@@ -28,11 +28,10 @@ from shardproof.importers.hlo_text import (
     slice_ranges,
     unquote,
 )
-from shardproof.ir.aten_ops import Operand, is_open
-from shardproof.ir.aten_ops import kind as aten_kind
+from shardproof.ir.aten_ops import Operand
 from shardproof.ir.build import GraphBuilder
 from shardproof.ir.graph import Graph, Location
-from shardproof.ir.ops import run_op
+from shardproof.ir.ops import OPS, run_op
 from shardproof.ir.run import constant
 
 Value = int | tuple  # an IR node id, or a tuple of values for tuple-shaped instructions
@@ -96,7 +95,12 @@ class _Lowering:
 
     @property
     def partitioned(self) -> bool:
-        return (world_size_of(self.module) or 1) > 1 and self.rank is not None
+        """Whether parameters are already each rank's tiles: a module run on several ranks whose
+        shardings are no longer annotations for a partitioner to come (Shardy's meshes on the
+        module line, GSPMD's `Sharding` custom calls)."""
+        if (world_size_of(self.module) or 1) == 1 or self.rank is None or "xla.sdy.meshes" in self.module.header:
+            return False
+        return not any(i.attrs.get("custom_call_target") == '"Sharding"' for i in self.instructions.values())
 
     def computation(self, name: str, arguments: list[Value]) -> Value:
         """Lower a computation on these arguments, in its own scope: `call`, `fusion` and the
@@ -202,20 +206,12 @@ class _Lowering:
         """The integer a scalar computes when it depends on constants and the rank alone (a
         rank's slice offset: `partition-id` times a size), else None."""
         ancestors = self.graph.ancestors(self.graph[value])
-        if any(n.op not in _STATIC_OPS and not is_open(n.op) for n in ancestors) or len(ancestors) > 64:
-            return None
-        if any(is_open(n.op) and aten_kind(n.op) != "pointwise" for n in ancestors):
+        if len(ancestors) > 64 or any(OPS[n.op].kind in ("leaf", "collective", "call", "random") for n in ancestors):
             return None
         values: dict[int, torch.Tensor] = {}
         for node in ancestors:
-            if node.op == "const":
-                values[node.id] = constant(node)
-            else:
-                values[node.id] = run_op(node.op, [values[i] for i in node.inputs], node.attrs)
+            values[node.id] = constant(node) if node.op == "const" else run_op(node.op, [values[i] for i in node.inputs], node.attrs)
         return int(values[value].reshape(-1)[0])
-
-
-_STATIC_OPS = {"const", "view", "permute", "convert", "expand", "add", "mul", "div", "neg", "maximum", "minimum", "slice", "lt", "le", "gt", "ge", "eq", "ne", "where"}
 
 
 class _Sites:
@@ -230,13 +226,22 @@ class _Sites:
         self.module = module
         self.users: dict[str, list[Instruction]] = {}
         self.callers: dict[tuple[str, str], set[tuple[str, int]]] = {}
+        calls: dict[str, list[str]] = {}  # computation -> the instructions that call it
         for computation in module.computations.values():
             for instruction in computation.instructions:
                 for operand in instruction.operands:
                     self.users.setdefault(operand, []).append(instruction)
+                target = instruction.attrs.get("calls") or (instruction.attrs.get("to_apply") if instruction.opcode == "call" else None)
+                if target:
+                    calls.setdefault(target.lstrip("%"), []).append(instruction.name)
                 stack = self.stack(instruction)
                 for caller, callee in zip(stack, stack[1:]):
                     self.callers.setdefault(_function(callee), set()).add((caller.file, caller.line))
+        for name, callers in calls.items():  # a called computation's result is used where its callers' are
+            computation = module.computations.get(name)
+            if computation is not None:
+                used = [u for c in callers for u in self.users.get(c, [])]
+                self.users.setdefault(computation.root.name, []).extend(used)
 
     def stack(self, instruction: Instruction) -> list[SourceFrame]:
         frame_id = re.search(r"stack_frame_id=(\d+)", instruction.attrs.get("metadata", ""))
@@ -430,18 +435,25 @@ def _select(lo: _Lowering, ins: Instruction) -> int:
     return lo.b.add("where", tuple(lo.operands(ins)), (), ins.type.dims, ins.type.dtype)
 
 
-def _collective(op: str) -> Callable[[_Lowering, Instruction], int]:
-    """all-reduce / all-gather / reduce-scatter over this rank's replica group; over a group of
-    one rank each is the identity."""
+def _collective(op: str) -> Callable[[_Lowering, Instruction], Value]:
+    """all-reduce / all-gather / reduce-scatter over this rank's replica group, of each operand
+    (XLA combines several into one instruction returning a tuple); over a group of one rank each
+    is the identity."""
 
-    def lower(lo: _Lowering, ins: Instruction) -> int:
+    def lower(lo: _Lowering, ins: Instruction) -> Value:
         group = lo.group(ins)
-        if len(group) == 1:
-            return lo.operand(ins, 0)
-        reduce_op = {"sum": "sum", "amax": "max"}[lo.reducer(ins)] if op != "all_gather" else None
-        dim = int_list(lo.attr(ins, "dimensions"))[0] if op != "all_reduce" else None
-        attrs = {"all_reduce": (reduce_op, group), "all_gather": (dim, group), "reduce_scatter": (dim, reduce_op, group)}[op]
-        return lo.b.add(op, (lo.operand(ins, 0),), attrs, ins.type.dims, ins.type.dtype)
+        types = ins.type.elements if ins.type.dtype == "tuple" else (ins.type,)
+        results = []
+        for index, out in enumerate(types):
+            value = lo.operand(ins, index)
+            if len(group) == 1:
+                results.append(value)
+                continue
+            reduce_op = {"sum": "sum", "amax": "max"}[lo.reducer(ins)] if op != "all_gather" else None
+            dim = int_list(lo.attr(ins, "dimensions"))[0] if op != "all_reduce" else None
+            attrs = {"all_reduce": (reduce_op, group), "all_gather": (dim, group), "reduce_scatter": (dim, reduce_op, group)}[op]
+            results.append(lo.b.add(op, (value,), attrs, out.dims, out.dtype))
+        return tuple(results) if ins.type.dtype == "tuple" else results[0]
 
     return lower
 

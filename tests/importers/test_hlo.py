@@ -18,6 +18,12 @@ REDUCERS = """
   ROOT %c = f32[] add(%a, %b)
 }
 
+%mul_f32 (a: f32[3], b: f32[3]) -> f32[3] {
+  %a = f32[3] parameter(0)
+  %b = f32[3] parameter(1)
+  ROOT %c = f32[3] multiply(%a, %b)
+}
+
 %max_f32 (a: f32[], b: f32[]) -> f32[] {
   %a = f32[] parameter(0)
   %b = f32[] parameter(1)
@@ -140,6 +146,47 @@ CASES = {
         ["%t = (f32[2], f32[2]) tuple(%x, %y)", "%g = f32[2] get-tuple-element(%t), index=1"],
         lambda x, y: y,
     ),
+    "call and fusion inlined": (
+        {"x": "f32[3]", "y": "f32[3]"},
+        ["%c = f32[3] call(%x, %y), to_apply=%mul_f32", "%f = f32[3] fusion(%c, %x), kind=kLoop, calls=%mul_f32"],
+        lambda x, y: x * y * x,
+    ),
+    "dynamic-slice at constant offsets, clamped": (
+        {"x": "f32[4,6]"},
+        ["%one = s32[] constant(1)", "%nine = s32[] constant(9)", "%s = f32[2,3] dynamic-slice(%x, %one, %nine), dynamic_slice_sizes={2,3}"],
+        lambda x: x[1:3, 3:6],
+    ),
+    "dynamic-update-slice": (
+        {"x": "f32[4,5]", "u": "f32[2,2]"},
+        ["%one = s32[] constant(1)", "%two = s32[] constant(2)", "%d = f32[4,5] dynamic-update-slice(%x, %u, %one, %two)"],
+        lambda x, u: torch.cat([x[:1], torch.cat([x[1:3, :2], u, x[1:3, 4:]], 1), x[3:]], 0),
+    ),
+    "pad with a negative edge": (
+        {"x": "f32[3,4]"},
+        ["%z = f32[] constant(0.5)", "%p = f32[4,5] pad(%x, %z), padding=1_0x-1_2"],
+        lambda x: torch.nn.functional.pad(x, (-1, 2, 1, 0), value=0.5),
+    ),
+    "reduce-window as a cumulative sum": (
+        {"x": "f32[2,4]"},
+        ["%z = f32[] constant(0)", "%r = f32[2,4] reduce-window(%x, %z), window={size=1x4 pad=0_0x3_0}, to_apply=%add_f32"],
+        lambda x: x.cumsum(1),
+    ),
+    "remainder, clamp, sign, power": (
+        {"x": "f32[5]", "y": "f32[5]"},
+        ["%lo = f32[5] negate(%y)", "%c = f32[5] clamp(%lo, %x, %y)", "%r = f32[5] remainder(%x, %y)", "%s = f32[5] sign(%r)",
+         "%a = f32[5] abs(%x)", "%p = f32[5] power(%a, %y)", "%m = f32[5] multiply(%c, %s)", "%o = f32[5] add(%m, %p)"],
+        lambda x, y: torch.clamp(x, -y, y) * torch.sign(torch.fmod(x, y)) + x.abs() ** y,
+    ),
+    "bitcast between layouts is a transpose": (
+        {"x": "f32[2,3]"},
+        ["%b = f32[3,2]{0,1} bitcast(%x)"],
+        lambda x: x.T,
+    ),
+    "bitcast between row-major layouts is a reshape": (
+        {"x": "f32[2,3]"},
+        ["%b = f32[3,2]{1,0} bitcast(%x)"],
+        lambda x: x.reshape(3, 2),
+    ),
 }
 
 
@@ -215,3 +262,34 @@ def test_unknown_opcode_and_custom_call_are_unsupported() -> None:
 def test_strided_slice_is_unsupported() -> None:
     with pytest.raises(UnsupportedOp, match="stride"):
         run(hlo({"x": "f32[4]"}, ["%s = f32[2] slice(%x), slice={[0:4:2]}"]), x=rand(4))
+
+
+def test_layout_changing_bitcast_is_read_as_a_transpose_not_a_reshape() -> None:
+    """f32[2,3]{1,0} and f32[3,2]{0,1} lay the same numbers out alike in memory: a bitcast
+    between them is the transpose; reading it as a row-major reshape gives other numbers."""
+    x = torch.arange(6, dtype=torch.float64).reshape(2, 3)
+    (got,) = run(hlo({"x": "f32[2,3]{1,0}"}, ["%b = f32[3,2]{0,1} bitcast(%x)"]), x=x)
+    assert torch.equal(got, x.T) and not torch.equal(x.T, x.reshape(3, 2))
+
+
+def test_partition_id_offsets_and_tuple_collectives_per_rank() -> None:
+    """A rank's slice by `partition-id` times a size is a static slice on each rank; an all-reduce
+    of two operands returns both reduced."""
+    text = hlo(
+        {"x": "f32[4,3]"},
+        [
+            "%id = u32[] partition-id()",
+            "%two = u32[] constant(2)",
+            "%start = u32[] multiply(%id, %two)",
+            "%zero = u32[] constant(0)",
+            "%s = f32[2,3] dynamic-slice(%x, %start, %zero), dynamic_slice_sizes={2,3}",
+            "%r = (f32[2,3], f32[4,3]) all-reduce(%s, %x), replica_groups=[1,2]<=[2], to_apply=%add_f32",
+        ],
+    )
+    module = parse_hlo(text, "t.hlo")
+    x = rand(4, 3)
+    ranks = [lower_hlo(module, r, 2) for r in range(2)]
+    outputs = run_ranks([g.graph for g in ranks], {"x": x})
+    for out in outputs:
+        torch.testing.assert_close(out[0], x[0:2] + x[2:4])
+        torch.testing.assert_close(out[1], 2 * x)

@@ -70,3 +70,44 @@ def test_not_an_hlo_module() -> None:
 def test_unclosed_computation() -> None:
     with pytest.raises(GraphFileError, match="closing computation main"):
         parse_hlo(MODULE.rstrip().rstrip("}"), "x.hlo")
+
+
+FRAMES = """HloModule jax, num_partitions=2
+
+FileNames
+1 "/home/u/model.py"
+
+FunctionNames
+1 "block"
+2 "linear"
+
+FileLocations
+1 {file_name_id=1 function_name_id=1 line=20 end_line=20 column=4 end_column=9}
+2 {file_name_id=1 function_name_id=2 line=5 end_line=5 column=11 end_column=16}
+
+StackFrames
+1 {file_location_id=1 parent_frame_id=1}
+2 {file_location_id=2 parent_frame_id=2}
+
+
+ENTRY main.1 {
+  x.1 = f32[2]{0} parameter(0)
+  t.2 = (f32[2]{0}, f32[2]{0}, f32[2]{0}, f32[2]{0}, f32[2]{0}, /*index=5*/f32[2]{0}) tuple(x.1, x.1, x.1, x.1, x.1, /*index=5*/x.1), metadata={op_name="t" stack_frame_id=2}
+  ROOT r.3 = f32[2]{0} all-reduce(x.1), replica_groups=mesh['dp'=2,'tp'=2] {'tp'}, to_apply=add
+}
+"""
+
+
+def test_stack_frame_tables_index_comments_and_mesh_groups() -> None:
+    module = parse_hlo(FRAMES, "jax.hlo")
+    t, r = module.entry_computation.instructions[1:]
+    assert len(t.type.elements) == 6 and t.operands == ["x.1"] * 6
+    assert [(f.function, f.line) for f in module.stack(2)] == [("block", 20), ("linear", 5)]
+    assert groups(r.attrs["replica_groups"]) == [(0, 1), (2, 3)] and "num_partitions=2" in module.header
+
+
+def test_replica_groups_in_iota_and_sub_axis_form() -> None:
+    assert groups("[2,2]<=[4]") == [(0, 1), (2, 3)] and groups("[2,2]<=[2,2]T(1,0)") == [(0, 2), (1, 3)]
+    assert groups("mesh['dp'=2,'tp'=2] {'dp'}") == [(0, 2), (1, 3)]
+    assert groups("mesh['a'=8] {'a':(1)2}") == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    assert groups("mesh['a'=8] {'a':(4)2}") == [(0, 1), (2, 3), (4, 5), (6, 7)]
