@@ -21,7 +21,7 @@ import tempfile
 STAGES = {"before": "before_optimizations.txt", "spmd": "*.after_spmd-partitioning.*.txt", "compiled": "cpu_after_optimizations.txt"}
 
 
-def load_model(bug: str | None, work: str):
+def load_model(bug: str | None, out: str):
     here = os.path.dirname(os.path.abspath(__file__))
     path = os.path.join(here, "model.py")
     if bug:
@@ -31,7 +31,8 @@ def load_model(bug: str | None, work: str):
         old, new = BUGS[bug]
         text = open(path).read()
         assert text.count(old) == 1, f"bug {bug}: the line to edit is not in model.py once"
-        path = os.path.join(work, "model.py")
+        os.makedirs(out, exist_ok=True)
+        path = os.path.join(out, "model.py")  # kept beside the dumps: their sites point into it
         with open(path, "w") as handle:
             handle.write(text.replace(old, new))
     spec = importlib.util.spec_from_file_location("model", path)
@@ -95,7 +96,7 @@ def main(out: str, bug: str | None = None, only: list[str] | None = None) -> Non
         import jax
         import jax.numpy as jnp
 
-        m = load_model(bug, work)
+        m = load_model(bug, out)
         x = jax.ShapeDtypeStruct((m.BATCH, m.SEQ, m.DIM), jnp.float32)
         shapes = {"attn_norm": (m.DIM,), "b_down": (m.DIM,), "mlp_norm": (m.DIM,), "w_down": (m.FFN, m.DIM),
                   "w_gate": (m.DIM, m.FFN), "w_up": (m.DIM, m.FFN), "wk": (m.DIM, m.KV_HEADS * m.HEAD_DIM),
