@@ -13,10 +13,10 @@ import math
 import re
 from typing import Callable
 
-from shardproof.errors import GraphFileError, UnsupportedOp
-from shardproof.importers.graph_inputs import ImportedGraph
 import torch
 
+from shardproof.errors import GraphFileError, UnsupportedOp
+from shardproof.importers.graph_inputs import ImportedGraph
 from shardproof.importers.hlo_sharding import Tiling, gspmd_tiling, sdy_meshes, sdy_tilings
 from shardproof.importers.hlo_text import (
     HloModule,
@@ -67,13 +67,14 @@ class _Lowering:
         self.sites = _Sites(module)
         self.caller: Location | None = None  # where the call being inlined is located
         self.instructions = {i.name: i for c in module.computations.values() for i in c.instructions}
+        self.partitioned = self._partitioned()
 
     def run(self) -> ImportedGraph:
         entry = self.module.entry_computation
         parameters = sorted((i for i in entry.instructions if i.opcode == "parameter"), key=lambda i: int(i.literal))
         arguments = [self.parameter(i) for i in parameters]
         root = self.computation(entry.name, arguments)
-        if "sharding" in entry.root.attrs and entry.root.opcode != "tuple":
+        if self.partitioned and "sharding" in entry.root.attrs and entry.root.opcode != "tuple":
             self.b.at(entry.root.name, self.locate(entry.root))
             root = self.gather(root, self.tiling(entry.root.attrs["sharding"], entry.root))
         self.graph.outputs = list(_flatten(root))
@@ -93,8 +94,7 @@ class _Lowering:
         full = tuple(size * count for size, (_, count, _) in zip(dims, tiling.dims))
         return self.cut(self.imported.add_input(instruction.name, full, dtype), tiling)
 
-    @property
-    def partitioned(self) -> bool:
+    def _partitioned(self) -> bool:
         """Whether parameters are already each rank's tiles: a module run on several ranks whose
         shardings are no longer annotations for a partitioner to come (Shardy's meshes on the
         module line, GSPMD's `Sharding` custom calls)."""
