@@ -1,4 +1,6 @@
-"""Benchmark `shardproof verify-graphs` on the real graph dumps of ../shared/data/entangle.
+"""Benchmark `shardproof verify-graphs` on the real graph dumps of ../shared/data/entangle, and
+with `--jax` on the HLO XLA writes for the JAX block of tests/importers/jax (generated first; needs
+the `jax` extra).
 
 Each pair runs in a fresh spawned child process, so its peak RSS is its own. Prints one row per
 pair (import seconds, proof seconds, peak MiB) and, where the research tool that published these
@@ -9,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import resource
+import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +34,8 @@ PAIRS = [
     ("bug_grad_accumulation/1step", "bug_grad_accumulation/2step.bug", None),
     ("bug_missing_layernorm_allreduce/tp1", "bug_missing_layernorm_allreduce/tp2.bug", None),
 ]
+JAX_DUMPS = Path(__file__).resolve().parents[1] / "tests" / "importers" / "jax" / "dumps.py"
+JAX_PROGRAMS = ("tp", "sp", "dp_tp", "jit_tp", "tp_train", "sp_train", "jit_tp_train")
 HEADERS = ["distributed", "ranks", "verdict", "import s", "proof s", "total s", "peak MiB", "terms", "research s", "speed-up"]
 
 
@@ -75,12 +81,24 @@ def measure(reference: str, distributed: str) -> dict[str, Any]:
     }
 
 
-def run_pair(reference: str, distributed: str, research: float | None, timeout: float) -> Row:
+def run_pair(reference: str, distributed: str, research: float | None, timeout: float, label: str | None = None) -> Row:
     """Measure one pair in a fresh spawned process; failures become the row's verdict."""
     status, payload = run_in_child(measure, (reference, distributed), timeout)
     if status == "ok":
-        return Row(distributed, research, **payload)
-    return Row(distributed, research, status, note=payload)
+        return Row(label or distributed, research, **payload)
+    return Row(label or distributed, research, status, note=payload)
+
+
+def jax_pairs(out: Path) -> list[tuple[str, str, str]]:
+    """(reference, distributed, label) for each JAX program and stage, dumped into `out`."""
+    subprocess.run([sys.executable, str(JAX_DUMPS), str(out)], check=True, capture_output=True)
+    pairs = []
+    for program in JAX_PROGRAMS:
+        reference = out / ("reference_train" if program.endswith("_train") else "reference")
+        for stage in ("before", "spmd", "compiled"):
+            ref_stage = "compiled" if stage == "compiled" else "before"
+            pairs.append((str(reference / f"{ref_stage}.hlo"), str(out / program / f"{stage}.hlo"), f"jax/{program}/{stage}"))
+    return pairs
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -88,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only", help="run the pairs whose distributed path contains this text")
     parser.add_argument("--markdown", action="store_true", help="emit a markdown table")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per pair, default 900")
+    parser.add_argument("--jax", action="store_true", help="add the JAX rows (dumps generated first; needs the jax extra)")
     args = parser.parse_args(argv)
     if not DATA.is_dir():
         parser.error(f"graph dumps not found at {DATA}")
@@ -97,6 +116,13 @@ def main(argv: list[str] | None = None) -> None:
             continue
         rows.append(run_pair(reference, distributed, research, args.timeout))
         print(f"{distributed}: {rows[-1].verdict}", file=sys.stderr, flush=True)
+    if args.jax:
+        with tempfile.TemporaryDirectory() as out:
+            for reference, distributed, label in jax_pairs(Path(out)):
+                if args.only and args.only not in label:
+                    continue
+                rows.append(run_pair(reference, distributed, None, args.timeout, label))
+                print(f"{label}: {rows[-1].verdict}", file=sys.stderr, flush=True)
     print(render(HEADERS, [row.cells() for row in rows], args.markdown))
     notes = [f"- {row.pair}: {row.note}" for row in rows if row.note and row.verdict != "equivalent"]
     if notes:
