@@ -30,9 +30,6 @@ function below reads CONFIG when called.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,10 +38,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-if str(Path(__file__).parent) not in sys.path:
-    sys.path.insert(0, str(Path(__file__).parent))
-
-from llama_reference import (  # noqa: E402
+from llama_reference import (
     PRESETS,
     SMALL,
     LlamaConfig,

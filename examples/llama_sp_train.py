@@ -22,20 +22,14 @@ rank's masked rows into its own slice of the table.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
-if str(Path(__file__).parent) not in sys.path:
-    sys.path.insert(0, str(Path(__file__).parent))
-
-from llama_reference import LlamaConfig, LlamaReference, RMSNorm, apply_rope, causal_attention, rotary_tables  # noqa: E402
-from llama_tp import _local_heads, shard_llama_state  # noqa: E402
+from llama_reference import LlamaConfig, LlamaReference, RMSNorm, apply_rope, causal_attention, rotary_tables
+from llama_tp import _local_heads, shard_llama_state
 
 CONFIG = LlamaConfig(n_heads=8, n_kv_heads=8)  # kv heads split across ranks, never replicated
 PRESETS = {"llama3-8b": LlamaConfig(vocab=128256, hidden=4096, n_layers=32, n_heads=32, n_kv_heads=8,

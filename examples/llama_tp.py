@@ -33,18 +33,12 @@ function below reads CONFIG when called.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-if str(Path(__file__).parent) not in sys.path:
-    sys.path.insert(0, str(Path(__file__).parent))
-
-from llama_reference import (  # noqa: E402
+from llama_reference import (
     PRESETS,
     SMALL,
     LlamaConfig,

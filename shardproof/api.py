@@ -70,7 +70,8 @@ def verify(
         numbers = functools.partial(run_numeric, case, n, mode=mode)
         yield Candidate(captured, n, numbers, _state_elements(captured.reference), caveat=_indivisible(captured, n))
 
-    return verify_candidates(front_end, n, progress)
+    with case.importable():
+        return verify_candidates(front_end, n, progress)
 
 
 def _state_elements(reference: Graph) -> int:

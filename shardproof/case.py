@@ -1,18 +1,22 @@
 """A verification case: the reference model, the per-rank model and how state and inputs are split.
 
 A case file is a Python module with the v1 contract (see README). Loading it never runs the
-models; it only checks that the required parts exist so a mistake is reported before tracing.
+models; it only checks that the required parts exist so a mistake is reported before tracing. As
+under `python case.py`, the file's folder is importable while it loads and while its functions run
+(`Case.importable`), so a case may import the modules next to it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import os
 import sys
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -55,6 +59,28 @@ class Case:
             known = ", ".join(sorted(presets)) or "none"
             raise CaseError(f"unknown preset `{name}` (this case file has: {known})")
         self.module.CONFIG = presets[name]
+
+    def importable(self) -> AbstractContextManager[None]:
+        """While in this context the case file's folder is on sys.path: tracing, the oracle and the
+        pool's workers call the case's functions long after it loaded, and they may import then."""
+        return folder_on_path(None if self.source is None else self.source.parent)
+
+
+@contextmanager
+def folder_on_path(folder: Path | None) -> Iterator[None]:
+    """`folder` first on sys.path (unless it is there already), removed again on leaving, with the
+    modules imported from it in sys.modules."""
+    entry = None if folder is None else str(folder)
+    added = entry is not None and entry not in sys.path
+    if entry is not None:
+        _own_neighbours(entry)
+    if added:
+        sys.path.insert(0, entry)
+    try:
+        yield
+    finally:
+        if added and entry in sys.path:
+            sys.path.remove(entry)
 
 
 def normalize_output(output: Any) -> Output:
@@ -109,9 +135,29 @@ def _import_file(path: Path) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:
-        spec.loader.exec_module(module)
+        with folder_on_path(path.resolve().parent):
+            spec.loader.exec_module(module)
     except SyntaxError as err:
         raise CaseError(f"{err.filename}:{err.lineno}: syntax error in case file: {err.msg}") from err
     except Exception as err:  # noqa: BLE001 - any import-time failure is the user's to fix
         raise CaseError(f"{path}: importing the case file failed: {type(err).__name__}: {err}") from err
     return module
+
+
+_NEIGHBOURS: dict[str, dict[str, ModuleType]] = {}  # case folder -> the modules imported from it
+
+
+def _own_neighbours(folder: str) -> None:
+    """Put away the modules imported from other case folders and bring back this folder's, so that
+    `from _helpers import f` finds this case's `_helpers.py` (the same module object each time),
+    not that of another case loaded before."""
+    _NEIGHBOURS.setdefault(folder, {})
+    for name, module in list(sys.modules.items()):
+        where = getattr(module, "__file__", None)
+        owner = where and os.path.dirname(where)
+        if owner in _NEIGHBOURS and not name.startswith("shardproof_case_"):
+            _NEIGHBOURS[owner][name] = module
+            if owner != folder:
+                del sys.modules[name]
+    for name, module in _NEIGHBOURS[folder].items():
+        sys.modules.setdefault(name, module)

@@ -69,7 +69,7 @@ def run_numeric(
 ) -> NumericResult:
     """Agree when every check of the case's program (steps.py) holds on every rank to within
     `atol + rtol * max|expected|`."""
-    with _LOCK, numeric_setting(seed):
+    with _LOCK, numeric_setting(seed), case.importable():
         reference = _run_ranks(lambda _: run_reference(case, mode or case.mode), 1)[0][0]
         runs, hung = _run_ranks(lambda rank: run_rank(case, reference, rank, world_size), world_size)
         if hung:

@@ -22,6 +22,7 @@ KIND_WORDS = {
     "wrong-group": "wrong group",
     "double-reduction": "double reduction",
     "missing-backward": "missing backward step",
+    "unwritten": "uninitialised memory read",
 }
 
 

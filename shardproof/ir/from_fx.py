@@ -864,6 +864,14 @@ def _max(lo: Lowerer, x, dim=None, keepdim: bool = False) -> Value:
     )
 
 
+def _argmax(lo: Lowerer, x, dim=None, keepdim: bool = False) -> int:
+    """torch.argmax over one dim is the index half of torch.max over it (one op, one set of rules);
+    over the flattened tensor it stays an open op."""
+    if dim is None:
+        raise Declined
+    return lo.emit("argmax", (lo.tensor(x),), ((_dim(dim, len(lo.shape(lo.tensor(x)))),), bool(keepdim)))
+
+
 def _mean(lo: Lowerer, x, dims=None, keepdim: bool = False, **kwargs) -> int:
     total = _reduce("sum")(lo, x, dims, keepdim)
     count = math.prod(lo.shape(lo.tensor(x))) // max(1, math.prod(lo.shape(total)))
@@ -1319,6 +1327,7 @@ _LOWER: dict[str, Callable[..., Value]] = {
     "aten.sum": _reduce("sum"),
     "aten.amax": _reduce("amax"),
     "aten.max": _max,
+    "aten.argmax": _argmax,
     "aten.mean": _mean,
     "aten.native_layer_norm": _layer_norm,
     "aten._softmax": _softmax("softmax"),

@@ -73,8 +73,9 @@ def load_spec(spec: CaseSpec) -> Case:
 
 def trace_share(spec: CaseSpec, world_size: int, ranks: list[int], memo: bool) -> list[Graph]:
     """A worker's task: its ranks' graphs."""
-    with fewer_collections():
-        return capture_ranks(load_spec(spec), world_size, ranks, memo)
+    case = load_spec(spec)
+    with fewer_collections(), case.importable():
+        return capture_ranks(case, world_size, ranks, memo)
 
 
 RankTracer = Callable[[list[int]], Iterator[Graph]]

@@ -32,19 +32,9 @@ def evaluate(universe: Universe, term_id: int, leaves: dict[str, torch.Tensor]) 
         return found
 
     # Iterative warm-up in id order keeps recursion shallow: arguments always have smaller ids.
-    for t in sorted(_reachable(universe, term_id)):
+    for t in sorted(universe.reachable(term_id)):
         value(t)
     return memo[term_id]
-
-
-def _reachable(universe: Universe, root: int) -> set[int]:
-    seen, stack = set(), [root]
-    while stack:
-        t = stack.pop()
-        if t not in seen:
-            seen.add(t)
-            stack.extend(universe[t].args)
-    return seen
 
 
 def _one(universe: Universe, t: int, value, leaves: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -63,7 +53,7 @@ def _one(universe: Universe, t: int, value, leaves: dict[str, torch.Tensor]) -> 
         else:
             raise NotImplementedError(f"const spec `{attrs[0]}`")
         return flat.reshape(shape)
-    if op in ("piece", "max_piece"):
+    if op in ("piece", "max_piece", "arg_piece"):
         raise NotImplementedError(
             f"a `{op}` is one part of a sum (or max) split over ranks; it has no value on its own "
             "(only pieces tiling the whole range combined do, and that normalizes to the whole)"

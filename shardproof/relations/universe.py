@@ -42,3 +42,13 @@ class Universe:
 
     def __len__(self) -> int:
         return len(self.terms)
+
+    def reachable(self, root: int) -> set[int]:
+        """`root` and every term it is built of."""
+        seen, stack = set(), [root]
+        while stack:
+            t = stack.pop()
+            if t not in seen:
+                seen.add(t)
+                stack.extend(self.terms[t].args)
+        return seen

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from test_rules import SETTINGS, Build, V, column, labels, masked_local_ids, ranges
+from test_rules import SETTINGS, Build, V, column, cuts, labels, masked_local_ids, ranges
 
 
 def vocab_parallel_rank(b: Build, w: V, ids: V, lo: int, hi: int) -> V:
@@ -158,3 +158,95 @@ def test_vocab_parallel_masked_gather_on_flattened_tokens(vocab, cuts_):
     total = b.add(*ranks)
     b.check(total)
     assert total.term == b.view(b.op("gather", logits, column(b, flat), attrs=(1,)), (6,)).term
+
+
+def _greedy_pick(b: Build, logits: V, points: list[int], offsets: list[int]) -> V:
+    """Greedy sampling over vocab-parallel logits: each rank's max and argmax over its columns
+    [lo, hi), the argmax plus the rank's offset, both stacked over ranks (an all-gather), the
+    position of the rank holding the largest max picked."""
+    maxes, positions = [], []
+    for (lo, hi), offset in zip(zip(points, points[1:]), offsets):
+        shard = b.sl(logits, 1, lo, hi)
+        peak, position = b.op("amax", shard, attrs=((1,), False)), b.op("argmax", shard, attrs=((1,), False))
+        position = b.add(position, b.scalar(offset, position.shape, torch.int64))
+        maxes.append(b.view(peak, (1,) + peak.shape))
+        positions.append(b.view(position, (1,) + position.shape))
+    stacked = b.cat(positions, 0)
+    best = b.view(b.op("argmax", b.cat(maxes, 0), attrs=((0,), False)), (1, logits.shape[0]))
+    return b.view(b.op("gather", stacked, best, attrs=(0,)), (logits.shape[0],))
+
+
+@SETTINGS
+@given(st.integers(2, 9), st.data())
+def test_the_position_of_the_largest_of_the_ranks_maxes_is_the_argmax(size, data):
+    b = Build()
+    logits = b.leaf("logits", (3, size))
+    points = data.draw(cuts(size))
+    picked = _greedy_pick(b, logits, points, points[:-1])
+    b.check(picked)
+    assert picked.term == b.op("argmax", logits, attrs=((1,), False)).term
+
+
+def test_the_pick_from_ranks_gathered_into_flat_tensors_is_the_argmax():
+    """all_gather_into_tensor: the ranks' values joined along dim 0, then viewed (ranks, tokens)."""
+    b = Build()
+    logits = b.leaf("logits", (3, 6))
+    maxes, positions = [], []
+    for lo, hi in ((0, 2), (2, 4), (4, 6)):
+        shard = b.sl(logits, 1, lo, hi)
+        maxes.append(b.op("amax", shard, attrs=((1,), False)))
+        positions.append(b.add(b.op("argmax", shard, attrs=((1,), False)), b.scalar(lo, (3,), torch.int64)))
+    best = b.view(b.op("argmax", b.view(b.cat(maxes, 0), (3, 3)), attrs=((0,), False)), (1, 3))
+    picked = b.op("gather", b.view(b.cat(positions, 0), (3, 3)), best, attrs=(0,))
+    b.check(picked)
+    assert picked.term == b.view(b.op("argmax", logits, attrs=((1,), False)), (1, 3)).term
+
+
+def test_ties_go_to_the_first_rank_as_torch_argmax_takes_the_first():
+    b = Build()
+    logits = b.leaf("logits", (2, 4), torch.tensor([[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0]], dtype=torch.float64))
+    picked = _greedy_pick(b, logits, [0, 2, 4], [0, 2])
+    b.check(picked)
+    assert picked.term == b.op("argmax", logits, attrs=((1,), False)).term
+
+
+SECOND_HALF_WINS = torch.tensor([[0.0, 1.0, 2.0, 3.0], [1.0, 0.0, 3.0, 2.0]], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("offsets", [[0, 0], [0, 1], [1, 3]])
+def test_positions_without_the_ranks_offsets_are_no_argmax(offsets):
+    b = Build()
+    logits = b.leaf("logits", (2, 4), SECOND_HALF_WINS)
+    picked = _greedy_pick(b, logits, [0, 2, 4], offsets)
+    assert not torch.equal(picked.value, SECOND_HALF_WINS.argmax(1))
+    assert picked.term != b.op("argmax", logits, attrs=((1,), False)).term
+
+
+def test_ranks_out_of_order_are_no_argmax():
+    """The pick is the argmax only when the ranks' ranges follow each other in the stack's order:
+    otherwise a tie goes to a later position."""
+    b = Build()
+    ties = torch.tensor([[3.0, 0.0, 0.0, 3.0]], dtype=torch.float64)
+    logits = b.leaf("logits", (1, 4), ties)
+    maxes, positions = [], []
+    for lo, hi in ((2, 4), (0, 2)):
+        shard = b.sl(logits, 1, lo, hi)
+        position = b.add(b.op("argmax", shard, attrs=((1,), False)), b.scalar(lo, (1,), torch.int64))
+        maxes.append(b.view(b.op("amax", shard, attrs=((1,), False)), (1, 1)))
+        positions.append(b.view(position, (1, 1)))
+    best = b.view(b.op("argmax", b.cat(maxes, 0), attrs=((0,), False)), (1, 1))
+    picked = b.op("gather", b.cat(positions, 0), best, attrs=(0,))
+    assert picked.value.item() == 3 != ties.argmax(1).item()  # the tie goes to the later position
+    assert picked.term != b.view(b.op("argmax", logits, attrs=((1,), False)), (1, 1)).term
+
+
+@SETTINGS
+@given(st.integers(0, 2), st.data())
+def test_gather_at_position_zero_reads_the_first_entry_along_the_dim(dim, data):
+    b = Build()
+    x = b.leaf("x", (3, 4, 2))
+    shape = tuple(data.draw(st.integers(1, n)) if d != dim else data.draw(st.integers(1, 3)) for d, n in enumerate(x.shape))
+    zeros = V(b.r.const(("full", 0), shape, "int64"), torch.zeros(shape, dtype=torch.int64))
+    y = b.op("gather", x, zeros, attrs=(dim,))
+    b.check(y)
+    assert "gather" not in b.ops_in(y)

@@ -231,3 +231,14 @@ def test_exp_of_a_log_softmax_is_the_softmax():
     powers = b.op("exp", b.sub(x, peak))
     spelled = b.op("div", powers, b.expand(b.op("sum", powers, attrs=((1,), True)), x.shape))
     assert probs.term == spelled.term
+
+
+@pytest.mark.parametrize("keepdim", [False, True])
+def test_argmax_over_a_size_one_dim_is_position_zero_not_the_value(keepdim):
+    """A one-wide slice of a larger dim is one rank's shard of it: its position stays a piece."""
+    b = Build()
+    y = b.op("argmax", b.leaf("x", (3, 1, 4)), attrs=((1,), keepdim))
+    b.check(y)
+    assert b.r.full_value(y.term) == 0
+    shard = b.op("argmax", b.sl(b.leaf("z", (3, 5, 4)), 1, 2, 3), attrs=((1,), False))
+    assert "arg_piece" in b.ops_in(shard)

@@ -52,7 +52,7 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
     def partial_kind(self, terms: list[int]) -> str:
         """How to name the unreduced value: a partial max when only max pieces are held."""
         held = set().union(*(self.unreduced(t) for t in terms))
-        return "partial max" if {op for op, _ in held} == {"max_piece"} else "partial sum"
+        return "partial max" if {op for op, _ in held} <= {"max_piece", "arg_piece"} else "partial sum"
 
     def unreduced(self, t: int) -> set[tuple]:
         """The pieces (kind, axis and range) that `t` holds without their sum (or max) over ranks."""
@@ -75,6 +75,8 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
                 or self._mixing_reshape(rank, chain)
                 or self._misaligned_contraction(rank, chain)
                 or self._mismatched_lookup_mask(rank, chain)
+                or self._misplaced_positions(rank, chain)
+                or self._unwritten_read(rank, chain)
             )
             if found is not None:
                 return found
@@ -181,7 +183,7 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
             where = f"; each share of it is scaled by {scaling[1]} here, where the reference scales the whole by {want}"
             return Finding("discrepancy", "wrong scale", message + where, [(rank, scaling[0]), (rank, culprit)], scale=factor,
                            fix=f"scale by {want} (the whole) instead of {scaling[1]} (a share) at {line_of(scaling[0])}")
-        return self._wrong_axis_finding(rank, node) or self._unexplained(rank, node)
+        return self._wrong_axis_finding(rank, node) or self._misplaced_positions(rank, [node]) or self._unexplained(rank, node)
 
     # --- finding the line that introduced something ---------------------------------------------------
     def _lin_args(self, t: int) -> tuple[int, ...]:

@@ -37,6 +37,70 @@ class LayoutFaults:
             fix=f"concatenate along dim {axes[1]}, the dim the shards were split on, at {line_of(node)}",
         )
 
+    def _unwritten_read(self, rank: int, chain: list[Node]) -> Finding | None:
+        """A region of a buffer allocated without values (torch.empty) that reaches the divergence
+        unwritten, at the last op of the chain that reads one: the part of the buffer the last
+        write into it left out (earlier leftovers may be covered by later writes)."""
+        for node in reversed(chain):
+            root, box = self.r.as_region(self.run.ranks[rank][node.id])
+            if self.r.u[root].op == "empty":
+                allocated = self.ranks[rank][self.r.u[root].attrs[1]]
+                where = ", ".join(":" if (lo, hi) == (0, n) else f"{lo}:{hi}" for (lo, hi), n in zip(box, self.r.shape(root)))
+                read = f"`{value_name(allocated).strip('`')}[{where}]`"
+                return Finding(
+                    "discrepancy",
+                    "uninitialised memory read",
+                    f"uninitialised memory read: rank {rank} reads {read}, allocated without values at {line_of(allocated)} and "
+                    "never written",
+                    [(rank, node), (rank, allocated)],
+                    fix=f"write {read} too: the write at {line_of(node)} leaves it out",
+                )
+        return None
+
+    def _misplaced_positions(self, rank: int, chain: list[Node]) -> Finding | None:
+        """Positions of a rank's maxes over its shard of an axis (an argmax over the shard plus an
+        offset) shifted by another offset than the shard's start, found at the last op that computes
+        them before they reach the divergence (an all-gather and the pick of the largest max follow).
+        Every rank diverges at the pick; the shift may be on another (rank 0's shard starts at 0)."""
+        found = None
+        for other in sorted(range(len(self.ranks)), key=lambda r: r != rank):
+            graph, terms = self.ranks[other], self.run.ranks[other]
+            for node in graph.ancestors(graph[chain[-1].id]):
+                if node.op not in LAYOUT_OPS and OPS[node.op].kind not in ("leaf", "const", "collective"):
+                    shift = self._position_shift(terms[node.id])
+                    if shift is not None or self.r.u[terms[node.id]].op == "arg_piece":
+                        found = None if shift is None else (other, node, shift)  # a later add may undo a shift
+            if found is not None:
+                break
+        else:
+            return None
+        rank, node, (dim, lo, hi, shift) = found
+        added = lo + shift
+        return Finding(
+            "discrepancy",
+            "wrong layout",
+            f"wrong layout: rank {rank} holds dim {dim}'s indices [{lo}:{hi}) and adds {added} to the positions of its "
+            f"maxes, where its shard starts at {lo}: the picked positions are off by {shift}",
+            [(rank, node)],
+            fix=f"add the shard's start, {lo} on rank {rank} (rank * its shard size), to {value_name(node)} at {line_of(node)}",
+        )
+
+    def _position_shift(self, t: int) -> tuple[int, int, int, int] | None:
+        """(dim, lo, hi, k) if `t` is the position of the max over the indices [lo, hi) of dim (an
+        `arg_piece`, or an argmax over all of them) plus the constant k (nonzero), else None."""
+        term = self.r.u[t]
+        if term.op != "lin" or len(term.args) != 2:
+            return None
+        (position, _), (one, shift) = sorted(zip(term.args, term.attrs[0]), key=lambda pair: self.r.full_value(pair[0]) is not None)
+        found = self.r.u[position]
+        if self.r.full_value(one) != 1 or found.op not in ("arg_piece", "argmax"):
+            return None
+        if found.op == "arg_piece":
+            (_, dim, _), lo, hi, _ = found.attrs
+            return dim, lo, hi, shift
+        (dim,), _ = found.attrs
+        return dim, 0, self.r.shape(found.args[0])[dim], shift
+
     def _mixing_reshape(self, rank: int, chain: list[Node]) -> Finding | None:
         """The first op of the disagreeing chain whose value reshapes data so that axes mix, e.g.
         (seq*batch, h) read as (batch, seq, h): a group of several dims becomes several dims of

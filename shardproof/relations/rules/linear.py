@@ -1,5 +1,6 @@
 """Linear structure: the constructors of linear combinations (`lin`), of pieces of a sum split over
-ranks (`piece`) and of a max split over ranks (`max_piece`, `maximum`). A part of `Rules`: it
+ranks (`piece`), of a max split over ranks (`max_piece`, `maximum`) and of its position
+(`arg_piece`). A part of `Rules`: it
 reaches the layout constructors through `self`.
 """
 
@@ -97,6 +98,16 @@ class LinearRules:
         term = self.u[full]
         return self.literal("max_piece", (full,), (axis, lo, hi, size), term.shape, term.dtype)
 
+    def arg_piece(self, full: int, axis: Any, lo: int, hi: int, size: int) -> int:
+        """The position along the reduced axis of the max over its indices [lo, hi) only: one rank's
+        argmax over its shard plus the shard's offset, where `full` is the argmax over the whole
+        axis and `axis` the one of the matching `max_piece`. It combines with other ranks' by the
+        pick of the largest max (see `lookups.gather`)."""
+        if (lo, hi) == (0, size):
+            return full
+        term = self.u[full]
+        return self.literal("arg_piece", (full,), (axis, lo, hi, size), term.shape, term.dtype)
+
     def maximum(self, parts: list[int]) -> int:
         """The elementwise max of `parts` (a MAX all-reduce): equal terms collapse, and max pieces
         whose ranges tile their axis are the max over the whole axis."""
@@ -117,10 +128,10 @@ class LinearRules:
         return result
 
     def _map_parts(self, x: int, f: Callable[[int], int], shape: tuple[int, ...]) -> int:
-        """Apply a layout map (it moves elements) through lin, piece and max_piece."""
+        """Apply a layout map (it moves elements) through lin and the pieces."""
         term = self.u[x]
-        if term.op == "max_piece":
-            return self.max_piece(f(term.args[0]), *term.attrs)
+        if term.op in ("max_piece", "arg_piece"):
+            return getattr(self, term.op)(f(term.args[0]), *term.attrs)
         return self._map_linear(x, f, shape)
 
     def _map_linear(self, x: int, f: Callable[[int], int], shape: tuple[int, ...]) -> int:

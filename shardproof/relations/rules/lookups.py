@@ -64,11 +64,67 @@ def gather(r: Rules, op: str, args, attrs, shape, dtype) -> int:
         return r._map_linear(x, lambda t: r.build(op, (t, index), attrs, shape, dtype), shape)
     if term.op == "full":
         return r.literal("full", (), term.attrs, shape, dtype)
+    if r.full_value(index) == 0:  # every entry read at position 0 along dim
+        first = r.slice(x, tuple((0, 1) if d == dim else (0, n) for d, n in enumerate(shape)))
+        return r.expand(first, shape)
     if term.op == "bcast" and dim not in term.attrs[0]:
         placed = term.attrs[0]
         return r.bcast(r.slice(term.args[0], tuple((0, shape[d]) for d in placed)), shape, placed)
     moved = _gather_regions(r, x, index, dim, attrs, dtype)
+    if moved is None:
+        moved = _pick_of_largest_max(r, x, index, dim, shape)
     return moved if moved is not None else r.literal(op, args, attrs, shape, dtype)
+
+
+def _pick_of_largest_max(r: Rules, x: int, index: int, dim: int, shape: tuple[int, ...]) -> int | None:
+    """gather(stack(a_1, ..., a_n), dim, argmax(stack(m_1, ..., m_n), dim, keepdim)), where m_i is
+    the max and a_i the position of the max over the indices [lo_i, hi_i) of one axis (`max_piece`,
+    `arg_piece`), the ranges following each other in the stack's order: the position of the max over
+    their union. The first part holding the largest max holds its first position, as torch's
+    argmax takes the first (greedy sampling over vocab-parallel logits)."""
+    if shape[dim] != 1:
+        return None
+    kept = r.u[index]  # the argmax with its dim kept: a view, or a broadcast into a size-1 dim
+    others = tuple(d for d in range(len(shape)) if d != dim)
+    unsqueezed = kept.op == "view" or (kept.op == "bcast" and kept.attrs[0] == others)
+    picker = r.u[kept.args[0]] if unsqueezed else kept
+    if picker.op != "argmax" or picker.attrs != ((dim,), False) or picker.shape != tuple(shape[d] for d in others):
+        return None
+    maxes, positions = _stacked(r, picker.args[0], dim), _stacked(r, x, dim)
+    if maxes is None or positions is None or len(maxes) != len(positions):
+        return None
+    pairs = [(r.u[m], r.u[a]) for m, a in zip(maxes, positions)]
+    if any(m.op != "max_piece" or a.op != "arg_piece" or m.attrs != a.attrs for m, a in pairs):
+        return None
+    (first_max, first_position), ends = pairs[0], [(m.attrs[1], m.attrs[2]) for m, _ in pairs]
+    if any(m.args != first_max.args or a.args != first_position.args for m, a in pairs[1:]):
+        return None
+    if any(hi != lo for (_, hi), (lo, _) in zip(ends, ends[1:])) or not _position_of(r, first_position.args[0], first_max.args[0]):
+        return None
+    axis, _, _, size = first_max.attrs
+    return r.view(r.arg_piece(first_position.args[0], axis, ends[0][0], ends[-1][1], size), shape)
+
+
+def _stacked(r: Rules, t: int, dim: int) -> list[int] | None:
+    """The parts of `t` stacked along `dim`, or None: a cat of one-deep parts along it, or a cat
+    of equal parts along `dim` viewed with one dim inserted there (an all-gather into a flat tensor)."""
+    term = r.u[t]
+    if term.op == "cat" and term.attrs[0] == dim and all(r.shape(p)[dim] == 1 for p in term.args):
+        return list(term.args)
+    inner = r.u[term.args[0]] if term.op == "view" else None
+    if inner is None or inner.op != "cat" or inner.attrs[0] != dim or len({r.shape(p) for p in inner.args}) != 1:
+        return None
+    part = r.shape(inner.args[0])
+    return list(inner.args) if term.shape == part[:dim] + (len(inner.args),) + part[dim:] else None
+
+
+def _position_of(r: Rules, position: int, peak: int) -> bool:
+    """Whether `position` is the argmax whose max is `peak`, both moved by the same layout ops."""
+    p, m = r.u[position], r.u[peak]
+    if p.op == "argmax" and m.op == "amax":
+        return p.args == m.args and p.attrs == m.attrs
+    return (p.op == m.op and p.attrs == m.attrs and p.shape == m.shape and len(p.args) == len(m.args) == 1
+            and _position_of(r, p.args[0], m.args[0]))
 
 
 def _local_lookup(r: Rules, table: int, index: int, dim: int) -> bool:

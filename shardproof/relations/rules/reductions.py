@@ -26,6 +26,8 @@ def reduce(r: Rules, op: str, args, attrs, shape, dtype) -> int:
     x = args[0]
     root_shape = r.shape(r.as_region(x)[0])
     ones = [d for d in dims if root_shape[d] == 1]  # not a one-wide shard of a larger sum: that stays a piece
+    if op == "argmax" and ones and not keepdim:
+        return r.literal("full", (), (0,), shape, dtype)  # the only position there is
     if ones and not keepdim:  # reducing a size-1 dim only drops it, from the whole the region is cut from
         root, box = r.as_region(x)
         kept = [d for d in range(len(box)) if d not in ones]
@@ -61,12 +63,15 @@ def reduce(r: Rules, op: str, args, attrs, shape, dtype) -> int:
         global_out = tuple(s for d, s in enumerate(r.shape(root)) if d not in dims)
         if not reduced_restricted:
             return r.slice(r.build(op, (root,), attrs, global_out, dtype), kept_box)
-        if op in _SPLIT_REDUCTIONS and len(reduced_restricted) == 1:
+        if (op in _SPLIT_REDUCTIONS or op == "argmax") and len(reduced_restricted) == 1:
             d = reduced_restricted[0]
             size = r.shape(root)[d]
             whole_d = r.slice(root, tuple((0, size) if k == d else b for k, b in enumerate(box)))
             total = r.build(op, (whole_d,), attrs, shape, dtype)
             lo, hi = box[d]
+            if op == "argmax":  # a position within the shard: the max's position over the shard, less its start
+                offset = r.literal("full", (), (lo,), shape, dtype)
+                return r.lin([(r.arg_piece(total, ("amax", d, root), lo, hi, size), Fraction(1)), (offset, Fraction(-1))])
             return _SPLIT_REDUCTIONS[op](r, total, (op, d, root), lo, hi, size)
     return r.literal(op, (x,), attrs, shape, dtype)
 
