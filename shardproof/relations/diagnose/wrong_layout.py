@@ -59,31 +59,49 @@ class LayoutFaults:
 
     def _misplaced_positions(self, rank: int, chain: list[Node]) -> Finding | None:
         """Positions of a rank's maxes over its shard of an axis (an argmax over the shard plus an
-        offset) shifted by another offset than the shard's start, found at the last op that computes
-        them before they reach the divergence (an all-gather and the pick of the largest max follow).
-        Every rank diverges at the pick; the shift may be on another (rank 0's shard starts at 0)."""
-        found = None
+        offset) shifted by another offset than the shard's start, where they are gathered at the
+        argmax of the ranks' maxes (greedy sampling): found at the op that computes them before the
+        collectives and layout ops that stack them. Every rank diverges at the pick; the shift may
+        be on another (rank 0's shard starts at 0)."""
         for other in sorted(range(len(self.ranks)), key=lambda r: r != rank):
             graph, terms = self.ranks[other], self.run.ranks[other]
-            for node in graph.ancestors(graph[chain[-1].id]):
-                if node.op not in LAYOUT_OPS and OPS[node.op].kind not in ("leaf", "const", "collective"):
-                    shift = self._position_shift(terms[node.id])
-                    if shift is not None or self.r.u[terms[node.id]].op == "arg_piece":
-                        found = None if shift is None else (other, node, shift)  # a later add may undo a shift
-            if found is not None:
-                break
-        else:
-            return None
-        rank, node, (dim, lo, hi, shift) = found
-        added = lo + shift
-        return Finding(
-            "discrepancy",
-            "wrong layout",
-            f"wrong layout: rank {rank} holds dim {dim}'s indices [{lo}:{hi}) and adds {added} to the positions of its "
-            f"maxes, where its shard starts at {lo}: the picked positions are off by {shift}",
-            [(rank, node)],
-            fix=f"add the shard's start, {lo} on rank {rank} (rank * its shard size), to {value_name(node)} at {line_of(node)}",
-        )
+            picks = [n for n in graph.ancestors(graph[chain[-1].id]) if n.op == "gather" and self._picks_by_argmax(other, n)]
+            for node in sorted({source.id: source for pick in picks for source in self._stacked_from(other, pick)}.values(),
+                               key=lambda n: n.id):
+                shift = self._position_shift(terms[node.id])
+                if shift is not None:
+                    dim, lo, hi, by = shift
+                    return Finding(
+                        "discrepancy",
+                        "wrong layout",
+                        f"wrong layout: rank {other} holds dim {dim}'s indices [{lo}:{hi}) and adds {lo + by} to the positions "
+                        f"of its maxes, where its shard starts at {lo}: the picked positions are off by {by}",
+                        [(other, node)],
+                        fix=f"add the shard's start, {lo} on rank {other} (rank * its shard size), to {value_name(node)} at "
+                            f"{line_of(node)}",
+                    )
+        return None
+
+    def _picks_by_argmax(self, rank: int, gather: Node) -> bool:
+        """Whether `gather` reads at the argmax of something (over a stack of one rank: position 0)."""
+        t = self.run.ranks[rank][gather.inputs[1]]
+        index = self.r.u[t]
+        return "argmax" in (index.op, self.r.u[index.args[0]].op if index.args else None) or self.r.full_value(t) == 0
+
+    def _stacked_from(self, rank: int, gather: Node) -> list[Node]:
+        """The ops whose values the table of `gather` stacks: reached through layout ops and
+        collectives only."""
+        graph, found, stack, seen = self.ranks[rank], [], [gather.inputs[0]], set()
+        while stack:
+            node = graph[stack.pop()]
+            if node.id in seen:
+                continue
+            seen.add(node.id)
+            if node.op in LAYOUT_OPS or OPS[node.op].kind == "collective":
+                stack.extend(node.inputs)
+            elif OPS[node.op].kind not in ("leaf", "const"):
+                found.append(node)
+        return found
 
     def _position_shift(self, t: int) -> tuple[int, int, int, int] | None:
         """(dim, lo, hi, k) if `t` is the position of the max over the indices [lo, hi) of dim (an
