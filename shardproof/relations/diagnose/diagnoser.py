@@ -76,7 +76,6 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
                 or self._misaligned_contraction(rank, chain)
                 or self._mismatched_lookup_mask(rank, chain)
                 or self._misplaced_positions(rank, chain)
-                or self._unwritten_read(rank, chain)
             )
             if found is not None:
                 return found

@@ -37,26 +37,6 @@ class LayoutFaults:
             fix=f"concatenate along dim {axes[1]}, the dim the shards were split on, at {line_of(node)}",
         )
 
-    def _unwritten_read(self, rank: int, chain: list[Node]) -> Finding | None:
-        """A region of a buffer allocated without values (torch.empty) that reaches the divergence
-        unwritten, at the last op of the chain that reads one: the part of the buffer the last
-        write into it left out (earlier leftovers may be covered by later writes)."""
-        for node in reversed(chain):
-            root, box = self.r.as_region(self.run.ranks[rank][node.id])
-            if self.r.u[root].op == "empty":
-                allocated = self.ranks[rank][self.r.u[root].attrs[1]]
-                where = ", ".join(":" if (lo, hi) == (0, n) else f"{lo}:{hi}" for (lo, hi), n in zip(box, self.r.shape(root)))
-                read = f"`{value_name(allocated).strip('`')}[{where}]`"
-                return Finding(
-                    "discrepancy",
-                    "uninitialised memory read",
-                    f"uninitialised memory read: rank {rank} reads {read}, allocated without values at {line_of(allocated)} and "
-                    "never written",
-                    [(rank, node), (rank, allocated)],
-                    fix=f"write {read} too: the write at {line_of(node)} leaves it out",
-                )
-        return None
-
     def _misplaced_positions(self, rank: int, chain: list[Node]) -> Finding | None:
         """Positions of a rank's maxes over its shard of an axis (an argmax over the shard plus an
         offset) shifted by another offset than the shard's start, where they are gathered at the
