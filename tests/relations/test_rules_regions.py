@@ -288,6 +288,21 @@ def test_one_head_times_a_computed_table_with_a_size_one_head_dim_matches_the_re
         assert y.term == b.sl(reference, 2, h, h + 1).term
 
 
+def test_one_head_times_a_table_unsqueezed_for_its_heads_matches_the_reference() -> None:
+    """A rotary table (1, s, d) unsqueezed to (1, 1, s, d) and expanded over the heads: the
+    reference broadcasts it over all of them, a rank with one head keeps the size-1 head dim. That
+    dim of the rank's table is one row of the reference's broadcast along it."""
+    b = Build()
+    k, table = b.leaf("k", (2, 8, 3, 4)), b.op("exp", b.leaf("angles", (1, 3, 4)))
+    unsqueezed = b.view(table, (1, 1, 3, 4))
+    reference = b.op("mul", k, b.expand(unsqueezed, k.shape))
+    b.r.reference_size = len(b.u)
+    for h in range(8):
+        y = b.op("mul", b.sl(k, 1, h, h + 1), b.expand(unsqueezed, (2, 1, 3, 4)))
+        b.check(y)
+        assert y.term == b.sl(reference, 1, h, h + 1).term
+
+
 def test_expand_of_a_trailing_size_one_dim():
     b = Build()
     x = b.leaf("x", (3, 1))
@@ -421,3 +436,28 @@ def test_cat_of_parts_empty_along_its_dim_is_empty():
     assert b.r.shape(y.term) == (0, 3)
     empty_slice = b.sl(b.cat([x1, x1], 0), 0, 8, 8)
     b.check(empty_slice)
+
+
+def test_a_rank_applying_the_reference_op_to_the_reference_operands_gets_the_reference_term() -> None:
+    """Partial rotary (GPT-NeoX): rotate_half of two columns of q (each with its bias) times a sin
+    table broadcast over the heads. A rank holding half of the heads reaches, column by column, the
+    product over the very operands the reference multiplied (its heads joined back), where other
+    readings hold too (a column as a box of the whole projection times the table's column repeated
+    across it): the reference's own product is the normal form."""
+    b = Build()
+    x, bias, table = b.leaf("x", (2, 4, 3, 6)), b.leaf("bias", (4, 6)), b.leaf("table", (3, 2))
+
+    def rotated_times_sin(lo: int, hi: int) -> V:
+        def column(j: int) -> V:
+            own_bias = b.view(b.box(bias, ((lo, hi), (j, j + 1))), (1, hi - lo, 1, 1))
+            return b.add(b.box(x, ((0, 2), (lo, hi), (0, 3), (j, j + 1))), b.expand(own_bias, (2, hi - lo, 3, 1)))
+
+        rotated = b.cat([b.op("neg", column(1)), column(0)], 3)
+        return b.op("mul", rotated, b.expand(b.view(table, (1, 1, 3, 2)), (2, hi - lo, 3, 2)))
+
+    reference = rotated_times_sin(0, 4)
+    b.r.reference_size = len(b.u)
+    for lo in (0, 2):
+        y = rotated_times_sin(lo, lo + 2)
+        b.check(y)
+        assert y.term == b.sl(reference, 1, lo, lo + 2).term

@@ -24,7 +24,7 @@ class Rules(RegionRules, ViewRules, LinearRules):
         self.reference_size: int | None = None  # terms below this id were built by the reference
         self.reference_boxes: dict[int, set[Box]] = {}  # root -> boxes the reference sliced it to
         self.reference_one_hots: dict[tuple[int, int], set[int]] = {}  # (dim, index) -> widths the reference wrote
-        self._built: dict[tuple, int] = {}  # once the reference is built: (op, args, attrs, shape, dtype) -> term
+        self._built: dict[tuple, int] = {}  # (op, args, attrs, shape, dtype) -> term
 
     def in_reference(self, t: int) -> bool:
         """Where two normal forms are both true, rules prefer the one the reference built."""
@@ -32,16 +32,16 @@ class Rules(RegionRules, ViewRules, LinearRules):
 
     # --- entry point for IR ops -------------------------------------------------------------------
     def build(self, op: str, args: tuple[int, ...], attrs: tuple, shape: tuple[int, ...], dtype: str) -> int:
-        """The normal-form term of IR op `op` applied to terms `args`. Once the reference is built,
-        what the rules prefer is settled, so an op the ranks repeat (each rank's view of one
-        all-gathered tensor) is normalized once."""
+        """The normal-form term of IR op `op` applied to terms `args`, normalized once: an op the
+        ranks repeat (each rank's view of one all-gathered tensor) and an op a rank applies to the
+        very terms the reference applied it to (congruence: the reference's form is the normal form,
+        whatever else the rules could prove of it once the reference is there to prefer)."""
         key = (op, args, attrs, shape, dtype)
         if key in self._built:
             return self._built[key]
         special = _BY_OP.get(op)
         term = special(self, args, attrs, shape, dtype) if special is not None else _BY_KIND[OPS[op].kind](self, op, args, attrs, shape, dtype)
-        if self.reference_size is not None:
-            self._built[key] = term
+        self._built[key] = term
         return term
 
     def shape(self, t: int) -> tuple[int, ...]:

@@ -253,9 +253,20 @@ class RegionRules:
 
     def _unslice_bcast(self, t: int, box: Box, global_shape: tuple[int, ...]) -> int | None:
         term = self.u[t]
-        dims = term.attrs[0]
-        inner = self.unslice(term.args[0], tuple(box[d] for d in dims), tuple(global_shape[d] for d in dims))
-        return None if inner is None else self.bcast(inner, global_shape, dims)
+        dims, base = term.attrs[0], term.args[0]
+        inner = self.unslice(base, tuple(box[d] for d in dims), tuple(global_shape[d] for d in dims))
+        if inner is not None:
+            return self.bcast(inner, global_shape, dims)
+        # the base's size-1 dims where the box takes one row are also one row of a broadcast along
+        # them (a rotary table unsqueezed for one local head): so, where the reference built that
+        base_shape = self.shape(base)
+        kept = [i for i, d in enumerate(dims) if base_shape[i] != 1 or global_shape[d] == 1]
+        if len(kept) == len(dims):
+            return None
+        base, dims = self.view(base, tuple(base_shape[i] for i in kept)), tuple(dims[i] for i in kept)
+        inner = self.unslice(base, tuple(box[d] for d in dims), tuple(global_shape[d] for d in dims))
+        broadcast = None if inner is None else self.bcast(inner, global_shape, dims)
+        return broadcast if broadcast is not None and self.in_reference(broadcast) else None
 
     def _unslice_repeat(self, t: int, box: Box, global_shape: tuple[int, ...]) -> int | None:
         term = self.u[t]
