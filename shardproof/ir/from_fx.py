@@ -675,13 +675,43 @@ def _written_over(lo: Lowerer, base: int, src: int, dim: int, start: int | None,
     """`base` with `src` written over [start, end) of `dim`: the untouched parts of base around src."""
     shape = lo.shape(base)
     dim = _dim(dim, len(shape))
-    if step != 1:
-        raise Declined
     start, end = _slice_range(shape[dim], start, end, step)
+    if step != 1:
+        return _strided_written_over(lo, base, src, dim, start, step)
     before = [slice_value(lo, base, dim, 0, start)] if start > 0 else []  # no empty slices: nothing reads them
     after = [slice_value(lo, base, dim, end, shape[dim])] if end < shape[dim] else []
     parts = [*before, src, *after]
     return parts[0] if len(parts) == 1 else lo.emit("cat", tuple(parts), (dim,), shape, lo.dtype(base))
+
+
+def _strided_written_over(lo: Lowerer, base: int, src: int, dim: int, start: int, step: int) -> int:
+    """`base` with `src` written at start, start + step, ... of `dim`, as layout ops (the mirror of
+    `_strided`): the dim's first whole blocks of `step` viewed as a grid take src's entries in
+    column `start % step`; an entry past them (the dim not a multiple of `step`) is written alone."""
+    shape, count = lo.shape(base), lo.shape(src)[dim]
+    whole = shape[dim] - shape[dim] % step
+    inside = sum(1 for i in range(count) if start + i * step < whole)
+    parts = []
+    if whole:
+        grid_shape = shape[:dim] + (whole // step, step) + shape[dim + 1 :]
+        grid = _as_buffer(lo, slice_value(lo, base, dim, 0, whole), grid_shape)
+        column = slice_value(lo, grid, dim + 1, start % step, start % step + 1)
+        if inside:
+            cells = _as_buffer(lo, slice_value(lo, src, dim, 0, inside), _with(lo.shape(column), dim, inside))
+            column = _written_over(lo, column, cells, dim, start // step, start // step + inside, 1)
+        grid = _written_over(lo, grid, column, dim + 1, start % step, start % step + 1, 1)
+        parts.append(_as_buffer(lo, grid, _with(shape, dim, whole)))
+    if whole < shape[dim]:
+        tail = slice_value(lo, base, dim, whole, shape[dim])
+        if inside < count:
+            offset = start + inside * step - whole
+            tail = _written_over(lo, tail, slice_value(lo, src, dim, inside, count), dim, offset, offset + 1, 1)
+        parts.append(tail)
+    return parts[0] if len(parts) == 1 else lo.emit("cat", tuple(parts), (dim,), shape, lo.dtype(base))
+
+
+def _with(shape: tuple[int, ...], dim: int, size: int) -> tuple[int, ...]:
+    return shape[:dim] + (size,) + shape[dim + 1 :]
 
 
 def _zeros(lo: Lowerer, shape: list[int], like: int) -> int:

@@ -10,10 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from shardproof import verify
 from shardproof.case import load_case
 from shardproof.ir.decompose import decomposition_of
+from shardproof.ir.from_fx import Lowerer
+from shardproof.ir.run import run_graph
 from shardproof.oracle import run_numeric
 
 ATTENTION = '''
@@ -98,6 +101,26 @@ def test_attention_through_decompositions_and_open_ops_is_proven(tmp_path: Path,
     report = verify(path, world_size=world_size)
     assert run_numeric(load_case(path), world_size).agree
     assert report.verdict == "equivalent", report.diagnosis
+
+
+def test_attention_with_strided_slices_trains_proven(tmp_path: Path) -> None:
+    """The strided slices' gradients (slice_backward with a step) are written back exactly."""
+    path = _case(tmp_path, ATTENTION + "\n\ndef loss(output, x):\n    return output.pow(2).mean()\n")
+    report = verify(path, world_size=2, train=True)
+    assert run_numeric(load_case(path), 2, mode="train").agree
+    assert report.verdict == "equivalent", report.diagnosis
+
+
+@pytest.mark.parametrize("size, start, end, step", [(8, 1, 8, 2), (7, 1, 7, 3), (7, 0, 7, 2), (7, 2, 6, 2), (9, 4, 9, 4), (5, 0, 1, 3)])
+def test_a_strided_slice_s_gradient_lowers_to_its_values(size: int, start: int, end: int, step: int) -> None:
+    """slice_backward with a step: the gradient at start, start + step, ... and zeros elsewhere,
+    whether or not the step divides the dim and wherever the last entry falls."""
+    count = len(range(start, end, step))
+    grad = torch.randn(3, count, 2, dtype=torch.float64)
+    program = make_fx(lambda g: torch.ops.aten.slice_backward(g, [3, size, 2], 1, start, end, step))(grad)
+    graph = Lowerer(program, ["grad"], lambda node: None, [], lambda group: (), None).run()
+    (lowered,) = run_graph(graph, {"grad": grad})
+    torch.testing.assert_close(lowered, torch.ops.aten.slice_backward(grad, [3, size, 2], 1, start, end, step))
 
 
 def test_a_bug_among_open_ops_is_a_discrepancy(tmp_path: Path) -> None:
