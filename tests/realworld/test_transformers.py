@@ -9,6 +9,7 @@ import pytest
 
 pytest.importorskip("transformers", minversion="5", reason="needs the hf extra: pip install 'shardproof[hf]'")
 
+from shardproof import verify  # noqa: E402
 from shardproof.integrations.transformers import tiny_config, transformers_case  # noqa: E402
 from shardproof.oracle import run_numeric  # noqa: E402
 
@@ -19,12 +20,34 @@ ARCHITECTURES = [
 RUNS = [(mode, n) for mode, sizes in (("forward", (2, 4, 8)), ("train", (2, 4))) for n in sizes]
 
 
+# (architecture, mode) -> why it is not proven yet; each is checked to stay unproven (strict xfail)
+NOT_PROVEN = {
+    **{(moe, mode): "MoE routing and grouped experts do not trace / relate yet"
+       for moe in ("mixtral", "qwen3_moe", "deepseek_v3") for mode in ("forward", "train")},
+    ("gemma2", "train"): "the tanh-GELU backward's constants factor differently on one rank (false missing reduction)",
+    ("gpt_neox", "train"): "parallel residual: a norm's backward gets a false missing reduction",
+}
+
+
 @pytest.mark.parametrize("mode, world_size", RUNS, ids=[f"{mode}-{n}" for mode, n in RUNS])
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_transformers_tp_computes_the_reference(architecture: str, mode: str, world_size: int) -> None:
     case = transformers_case(tiny_config(architecture), world_size=world_size, train=mode == "train")
     numbers = run_numeric(case, world_size, mode=mode)
     assert numbers.agree, numbers.detail
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, world_size", RUNS, ids=[f"{mode}-{n}" for mode, n in RUNS])
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_transformers_tp_is_proven(request: pytest.FixtureRequest, architecture: str, mode: str, world_size: int) -> None:
+    """Proven equivalent with transformers' defaults (the test above shows the numbers agree)."""
+    gap = NOT_PROVEN.get((architecture, mode))
+    if gap is not None:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=gap))
+    case = transformers_case(tiny_config(architecture), world_size=world_size, train=mode == "train")
+    report = verify(case, world_size=world_size, train=mode == "train", backend="none")
+    assert report.verdict == "equivalent", report.diagnosis or report.unknown
 
 
 def test_an_all_ones_attention_mask_is_an_input() -> None:
