@@ -24,8 +24,6 @@ RUNS = [(mode, n) for mode, sizes in (("forward", (2, 4, 8)), ("train", (2, 4)))
 NOT_PROVEN = {
     **{(moe, mode): "MoE routing and grouped experts do not trace / relate yet"
        for moe in ("mixtral", "qwen3_moe", "deepseek_v3") for mode in ("forward", "train")},
-    ("gemma2", "train"): "the tanh-GELU backward's constants factor differently on one rank (false missing reduction)",
-    ("gpt_neox", "train"): "parallel residual: a norm's backward gets a false missing reduction",
 }
 
 

@@ -8,6 +8,7 @@ import math
 from fractions import Fraction
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -171,3 +172,16 @@ def test_a_scaled_constant_is_a_constant(divisor):
     b.check(y)
     t = b.u[y.term]
     assert t.op == "lin" and t.args == (x.term,) and t.attrs[0] == (Fraction(1, divisor),)
+
+
+def test_an_integer_constant_added_to_floats_is_a_float_sum_whichever_comes_first() -> None:
+    """tanh-GELU's backward adds a Python `1` (an int64 constant) to float terms. The sum is a float
+    whatever the order of its terms, so its scale moves out of a product alike on every rank."""
+    b = Build()
+    one = b.scalar(1, (2, 3), dtype=torch.int64)
+    x, z = b.leaf("x", (2, 3)), b.leaf("z", (2, 3))
+    half_sum = b.op("mul", b.add(one, x), b.scalar(0.5, (2, 3)))
+    product = b.op("mul", half_sum, z)
+    b.check(product)
+    assert b.u[half_sum.term].dtype == "float64"
+    assert product.term == b.op("mul", b.op("mul", b.add(x, one), z), b.scalar(0.5, (2, 3))).term

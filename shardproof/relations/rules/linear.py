@@ -39,7 +39,9 @@ class LinearRules:
         if by_parts is not None:
             return by_parts
         first = self.u[items[0][0]]
-        return self.literal("lin", tuple(t for t, _ in items), (tuple(c for _, c in items),), first.shape, first.dtype)
+        # a sum with a float term is a float (an integer constant added to floats is promoted), whatever comes first
+        dtype = next((self.u[t].dtype for t, _ in items if self.u[t].dtype in FLOAT_DTYPES), first.dtype)
+        return self.literal("lin", tuple(t for t, _ in items), (tuple(c for _, c in items),), first.shape, dtype)
 
     def _lin_of_cats(self, items: list[tuple[int, Fraction]]) -> int | None:
         """A sum of concatenations along one dim (and constants) is the concatenation of the sums of
