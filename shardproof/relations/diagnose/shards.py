@@ -122,4 +122,6 @@ def _is_rank_chunk(rank: int, part: tuple[int, int], whole: tuple[int, int]) -> 
     """`part` is chunk `rank` (modulo the number of chunks) of `whole` cut into equal chunks."""
     (lo, hi), (w_lo, w_hi) = part, whole
     width = hi - lo
-    return part == whole or (lo - w_lo) == (rank % ((w_hi - w_lo) // width)) * width
+    if part == whole or width == 0:  # an empty part (a rank left with no heads) is no rank's chunk
+        return part == whole
+    return (lo - w_lo) == (rank % ((w_hi - w_lo) // width)) * width
