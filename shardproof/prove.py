@@ -118,9 +118,25 @@ def _judged(
         unproven = unproven_outputs(run, reference, ranks, check, notes)
         if unproven:
             diagnoser = diagnoser or Diagnoser(run, reference, ranks)
-            findings.append(_about(check, diagnoser.diagnose(unproven), named=len(checks) > 1))
+            finding = diagnoser.diagnose(unproven)
+            if finding.verdict == "unknown":
+                finding = _misshapen(diagnoser, reference, ranks, check, unproven) or finding
+            findings.append(_about(check, finding, named=len(checks) > 1))
     findings.sort(key=lambda f: f.verdict != "discrepancy")
     return Proof(findings, len(run.rules.u), notes, calls, [c.label for c in checks[checked:]])
+
+
+def _misshapen(diagnoser: Diagnoser, reference: Graph, ranks: list[Graph], check: Check, unproven: list[tuple[int, int]]) -> Finding | None:
+    """A rank output claimed equal to a reference output (not one shard of it) but of another
+    shape differs from it, whatever the values (a gather left out): where no other fault explains it."""
+    if check.relation == "rank" or check.relation[0] == "shard":
+        return None
+    wanted = reference[reference.outputs[check.expected]]
+    for rank, index in unproven:
+        node = ranks[rank][ranks[rank].outputs[index]]
+        if node.shape != wanted.shape:
+            return diagnoser.wrong_shape(rank, node, wanted)
+    return None
 
 
 def _about(check: Check, finding: Finding, named: bool) -> Finding:

@@ -94,6 +94,13 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
         node = self.ranks[rank][self.ranks[rank].outputs[index]]
         return self._at_output(rank, node)
 
+    def wrong_shape(self, rank: int, node: Node, wanted: Node) -> Finding:
+        """A rank's output of another shape than the reference output it must equal."""
+        shape, expected = tuple(node.shape), tuple(wanted.shape)
+        message = f"wrong layout: {value_name(node)} on rank {rank} has shape {shape} where the reference's has {expected}"
+        fix = f"make {value_name(node)} at {line_of(node)} the whole {expected} tensor on every rank (gather its shards)"
+        return Finding("discrepancy", "wrong layout", message, [(rank, node)], [wanted], fix=fix)
+
     def _linear_in_partials(self, rank: int, node: Node) -> bool:
         """Whether `node` maps shares of a sum to shares of its result (moving elements, adding shares,
         scaling by or multiplying with values every rank holds whole, a collective): a partial sum
