@@ -181,7 +181,14 @@ def _piece(u: Universe, term: Any, args: list) -> tuple[str, int]:
     return f"{kind} share {lo}:{hi} of {size} of {_wrapped(args[0], ATOM)}", SUM
 
 
+def _call(u: Universe, term: Any, args: list) -> tuple[str, int]:
+    """A repeated module's call (partition/module_calls.py) as the module called: `model.norm(x)[0]`."""
+    _, output, module = term.attrs
+    return f"{module}({', '.join(text for text, _ in args)})[{output}]", ATOM
+
+
 _FORMS = {
+    "call": _call,
     "slice": _slice,
     "view": _view,
     "permute": _permute,

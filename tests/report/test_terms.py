@@ -68,3 +68,11 @@ def test_an_open_op_reads_as_its_torch_call() -> None:
     attrs = ((Operand(0), 1), (("dtype", None),), ())
     cumsum = r.literal("aten.cumsum.default", (x,), attrs, (4, 6), "float32")
     assert describe(r.u, cumsum) == "torch.cumsum(inputs()[0], 1, dtype=None)"
+
+
+def test_a_repeated_module_s_call_reads_as_the_module_called() -> None:
+    r = Rules()
+    x = r.leaf("input:0", (2, 4), "float32")
+    template = object()  # the called module's graph: never shown
+    call = r.literal("call", (x,), (template, 0, "model.layers.0.input_layernorm"), (2, 4), "float32")
+    assert describe(r.u, call) == "model.layers.0.input_layernorm(inputs()[0])[0]"
