@@ -86,7 +86,7 @@ def _diagnosed_call(
     reference, ranks = aligned(through_call(reference, index), [through_call(g, index) for g in ranks], index)
     checks = [Check(f"output {i} of call {index} (`{call.module}`)", i, i, ("replicate",)) for i in range(len(call.outputs))]
     try:
-        proof = _judged(lambda: execute_with_calls(reference, ranks, calls), reference, ranks, checks, calls)
+        proof = _judged(lambda: execute_with_calls(reference, ranks, calls), reference, ranks, checks, calls, claims=False)
     except (NotPartitioned, Unmatched):
         return None
     if proof.verdict != "discrepancy":
@@ -97,11 +97,13 @@ def _diagnosed_call(
 
 
 def _judged(
-    run_graphs: Callable[[], Execution], reference: Graph, ranks: list[Graph], checks: list[Check], calls: CallProofs | None
+    run_graphs: Callable[[], Execution], reference: Graph, ranks: list[Graph], checks: list[Check], calls: CallProofs | None,
+    claims: bool = True,
 ) -> Proof:
     """Execute, then prove the checks in order and diagnose those that fail, up to DIAGNOSED_CLAIMS
     of them; a discrepancy leads over a claim left unknown (ranks issuing different collectives
-    are a discrepancy of their own)."""
+    are a discrepancy of their own). `claims`: the checks are the case's claims, not a call's
+    outputs compared as if replicated (which may be shards on the ranks)."""
     try:
         run = run_graphs()
     except CollectiveMismatch as mismatch:
@@ -119,7 +121,7 @@ def _judged(
         if unproven:
             diagnoser = diagnoser or Diagnoser(run, reference, ranks)
             finding = diagnoser.diagnose(unproven)
-            if finding.verdict == "unknown":
+            if finding.verdict == "unknown" and claims:
                 finding = _misshapen(diagnoser, reference, ranks, check, unproven) or finding
             findings.append(_about(check, finding, named=len(checks) > 1))
     findings.sort(key=lambda f: f.verdict != "discrepancy")
