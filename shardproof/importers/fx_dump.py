@@ -20,6 +20,7 @@ import torch.fx as fx
 from shardproof.errors import GraphFileError, UnsupportedOp
 from shardproof.importers.fx_kernels import DumpLowerer, DumpOp
 from shardproof.importers.graph_inputs import ImportedGraph
+from shardproof.importers.text import read_text
 from shardproof.ir.graph import Location
 
 DTYPES = {
@@ -59,8 +60,7 @@ def load_fx_ranks(paths: list[str]) -> tuple[list[ImportedGraph], dict[str, tupl
 
 
 def _parse(path: str) -> tuple[fx.Graph, list[str]]:
-    with open(path, encoding="utf-8") as handle:
-        return _Parser(handle.read(), path).parse()
+    return _Parser(read_text(path), path).parse()
 
 
 def _collectives(graph: fx.Graph) -> list[fx.Node]:

@@ -20,6 +20,7 @@ from shardproof.importers.graph_inputs import ImportedGraph
 from shardproof.importers.hlo_sharding import Tiling, gspmd_tiling, sdy_meshes, sdy_tilings
 from shardproof.importers.hlo_text import (
     HloModule,
+    HloType,
     Instruction,
     SourceFrame,
     groups,
@@ -29,7 +30,9 @@ from shardproof.importers.hlo_text import (
     unquote,
 )
 from shardproof.ir.aten_ops import Operand
+from shardproof.importers.text import read_text
 from shardproof.ir.build import GraphBuilder
+from shardproof.ir.check import Inconsistent, check_node
 from shardproof.ir.graph import Graph, Location
 from shardproof.ir.ops import OPS, run_op
 from shardproof.ir.run import constant
@@ -38,8 +41,7 @@ Value = int | tuple  # an IR node id, or a tuple of values for tuple-shaped inst
 
 
 def load_hlo(path: str) -> HloModule:
-    with open(path, encoding="utf-8") as handle:
-        return parse_hlo(handle.read(), path)
+    return parse_hlo(read_text(path), path)
 
 
 def world_size_of(module: HloModule) -> int | None:
@@ -48,7 +50,7 @@ def world_size_of(module: HloModule) -> int | None:
     stated = re.search(r"\bnum_partitions=(\d+)", module.header)
     if stated and int(stated.group(1)) > 1:
         return int(stated.group(1))
-    members = [r for c in module.computations.values() for i in c.instructions for g in _replica_groups(i) for r in g]
+    members = [r for c in module.computations.values() for i in c.instructions for g in _replica_groups(i, module.path) for r in g]
     return max(members) + 1 if members else None
 
 
@@ -114,14 +116,47 @@ class _Lowering:
                 if instruction.opcode == "parameter":
                     self.env[instruction.name] = arguments[int(instruction.literal)]
                     continue
-                self.b.at(instruction.name, self.locate(instruction))
-                lower = _LOWER.get(instruction.opcode)
-                if lower is None:
-                    raise UnsupportedOp(f"HLO {instruction.opcode}", f"{self.module.path}:{instruction.line}")
-                self.env[instruction.name] = lower(self, instruction)
+                self.env[instruction.name] = self.lowered(instruction)
             return self.env[computation.root.name]
         finally:
             self.env = outer
+
+    def lowered(self, instruction: Instruction) -> Value:
+        """The instruction's IR, every node checked against its operands and the result against the
+        declared type: a dump that contradicts itself is refused at its line."""
+        self.b.at(instruction.name, self.locate(instruction))
+        lower = _LOWER.get(instruction.opcode)
+        if lower is None:
+            raise UnsupportedOp(f"HLO {instruction.opcode}", f"{self.module.path}:{instruction.line}")
+        before = len(self.graph.nodes)
+        try:
+            value = lower(self, instruction)
+            for node in self.graph.nodes[before:]:
+                check_node(self.graph, node)
+        except Inconsistent as err:
+            raise GraphFileError(self.module.path, instruction.line, str(err), f"{instruction.opcode} %{instruction.name}") from None
+        except (ValueError, IndexError, KeyError, ZeroDivisionError, RuntimeError) as err:
+            # attributes that do not fit the operands (a dim past their rank, a number that is none)
+            raise GraphFileError(
+                self.module.path, instruction.line, f"a `{instruction.opcode}` whose attributes fit its operands "
+                f"({type(err).__name__}: {err})", f"%{instruction.name}",
+            ) from None
+        self.declared(instruction, value, instruction.type)
+        return value
+
+    def declared(self, instruction: Instruction, value: Value, declared: HloType) -> None:
+        """The value has the shape (or tuple structure) the instruction declares."""
+        if declared.dtype == "tuple":
+            if not isinstance(value, tuple) or len(value) != len(declared.elements):
+                raise GraphFileError(self.module.path, instruction.line, f"a tuple of {len(declared.elements)} as declared", f"%{instruction.name}")
+            for element, of in zip(value, declared.elements):
+                self.declared(instruction, element, of)
+        elif isinstance(value, tuple) or self.graph[value].shape != declared.dims:
+            computed = "a tuple" if isinstance(value, tuple) else str(list(self.graph[value].shape))
+            raise GraphFileError(
+                self.module.path, instruction.line, f"the declared shape {list(declared.dims)}, but `{instruction.opcode}` computes "
+                f"{computed} from its operands", f"%{instruction.name}",
+            )
 
     # --- helpers ------------------------------------------------------------------------------
     def operand(self, instruction: Instruction, index: int) -> int:
@@ -130,8 +165,17 @@ class _Lowering:
             raise GraphFileError(self.module.path, instruction.line, "an array operand", instruction.operands[index])
         return value
 
-    def operands(self, instruction: Instruction) -> list[int]:
+    def operands(self, instruction: Instruction, count: int | None = None) -> list[int]:
+        """All operands, as arrays; `count` of them when the opcode takes that many."""
+        if count is not None and len(instruction.operands) != count:
+            raise GraphFileError(
+                self.module.path, instruction.line, f"{count} operand{'s' if count > 1 else ''} for `{instruction.opcode}`",
+                f"{len(instruction.operands)}",
+            )
         return [self.operand(instruction, i) for i in range(len(instruction.operands))]
+
+    def only(self, instruction: Instruction) -> int:
+        return self.operands(instruction, 1)[0]
 
     def attr(self, instruction: Instruction, key: str) -> str:
         if key not in instruction.attrs:
@@ -146,9 +190,12 @@ class _Lowering:
         return Location(frame[0], frame[1], code)
 
     def group(self, instruction: Instruction) -> tuple[int, ...]:
-        found = _replica_groups(instruction)
+        found = _replica_groups(instruction, self.module.path)
         if not found:
             return tuple(range(self.world_size))
+        members = [r for g in found for r in g]
+        if len(set(members)) != len(members) or not all(0 <= r < self.world_size for r in members):
+            raise GraphFileError(self.module.path, instruction.line, f"replica groups holding each of ranks 0..{self.world_size - 1} at most once", str(found))
         mine = [g for g in found if self.rank in g]
         if len(mine) != 1:
             raise GraphFileError(self.module.path, instruction.line, f"exactly one replica group holding rank {self.rank}", str(found))
@@ -161,6 +208,12 @@ class _Lowering:
         if computation is None:
             raise GraphFileError(self.module.path, instruction.line, f"a computation named {name}", name)
         opcode = computation.root.opcode
+        parameters = {i.name for i in computation.instructions if i.opcode == "parameter"}
+        if len(parameters) != 2 or set(computation.root.operands) != parameters:
+            raise GraphFileError(
+                self.module.path, computation.root.line, f"a reducer combining its two parameters ({', '.join(sorted(parameters))})",
+                ", ".join(computation.root.operands),
+            )
         if opcode not in _REDUCERS:
             raise UnsupportedOp(f"HLO reduction by `{opcode}`", f"{self.module.path}:{instruction.line}")
         return _REDUCERS[opcode]
@@ -285,9 +338,12 @@ _REDUCERS = {"add": "sum", "maximum": "amax"}
 _NEUTRAL = {"sum": 0.0, "amax": -math.inf}
 
 
-def _replica_groups(instruction: Instruction) -> list[tuple[int, ...]]:
+def _replica_groups(instruction: Instruction, path: str) -> list[tuple[int, ...]]:
     text = instruction.attrs.get("replica_groups")
-    return groups(text) if text else []
+    try:
+        return groups(text) if text else []
+    except (ValueError, IndexError):
+        raise GraphFileError(path, instruction.line, "replica groups like {{0,1},{2,3}}", text) from None
 
 
 def _user_frame(metadata: str) -> tuple[str, int] | None:
@@ -315,13 +371,25 @@ def _flatten(value: Value) -> list[int]:
 def _elementwise(op: str) -> Callable[[_Lowering, Instruction], int]:
     def lower(lo: _Lowering, ins: Instruction) -> int:
         args = lo.operands(ins)
+        _same_shapes(lo, ins, args)
         return lo.b.add(op, tuple(args), (), ins.type.dims, ins.type.dtype)
 
     return lower
 
 
+def _same_shapes(lo: _Lowering, ins: Instruction, args: list[int]) -> None:
+    """HLO elementwise operands have the instruction's shape: it never broadcasts implicitly."""
+    for arg in args:
+        if lo.b.shape(arg) != ins.type.dims:
+            raise GraphFileError(
+                lo.module.path, ins.line, f"operands of the declared shape {list(ins.type.dims)} (HLO does not broadcast)",
+                str(list(lo.b.shape(arg))),
+            )
+
+
 def _subtract(lo: _Lowering, ins: Instruction) -> int:
-    a, b = lo.operands(ins)
+    a, b = lo.operands(ins, 2)
+    _same_shapes(lo, ins, [a, b])
     return lo.b.subtract(a, b)
 
 
@@ -355,28 +423,38 @@ def _iota(lo: _Lowering, ins: Instruction) -> int:
 
 
 def _broadcast(lo: _Lowering, ins: Instruction) -> int:
-    return lo.b.place(lo.operand(ins, 0), ins.type.dims, int_list(ins.attrs.get("dimensions", "{}")))
+    value, dims = lo.only(ins), int_list(ins.attrs.get("dimensions", "{}"))
+    placed = tuple(ins.type.dims[d] for d in dims)
+    if placed != lo.b.shape(value) or len(set(dims)) != len(dims):
+        raise GraphFileError(
+            lo.module.path, ins.line, f"operand dims {list(lo.b.shape(value))} at distinct dims={{{','.join(map(str, dims))}}} of "
+            f"{list(ins.type.dims)}", str(list(placed)),
+        )
+    return lo.b.place(value, ins.type.dims, dims)
 
 
 def _reshape(lo: _Lowering, ins: Instruction) -> int:
-    return lo.b.view(lo.operand(ins, 0), ins.type.dims)
+    return lo.b.view(lo.only(ins), ins.type.dims)
 
 
 def _transpose(lo: _Lowering, ins: Instruction) -> int:
-    return lo.b.permute(lo.operand(ins, 0), int_list(lo.attr(ins, "dimensions")))
+    return lo.b.permute(lo.only(ins), int_list(lo.attr(ins, "dimensions")))
 
 
 def _convert(lo: _Lowering, ins: Instruction) -> int:
-    return lo.b.convert(lo.operand(ins, 0), ins.type.dtype)
+    return lo.b.convert(lo.only(ins), ins.type.dtype)
 
 
 def _identity(lo: _Lowering, ins: Instruction) -> int:
-    return lo.operand(ins, 0)
+    return lo.only(ins)
 
 
 def _slice(lo: _Lowering, ins: Instruction) -> int:
-    value = lo.operand(ins, 0)
-    for dim, (start, end, stride) in enumerate(slice_ranges(lo.attr(ins, "slice"))):
+    value = lo.only(ins)
+    ranges = slice_ranges(lo.attr(ins, "slice"))
+    if len(ranges) != len(lo.b.shape(value)):
+        raise GraphFileError(lo.module.path, ins.line, f"one [start:end] per operand dim ({len(lo.b.shape(value))})", str(len(ranges)))
+    for dim, (start, end, stride) in enumerate(ranges):
         if stride != 1:
             raise UnsupportedOp("HLO slice with stride != 1", f"{lo.module.path}:{ins.line}")
         value = lo.b.slice(value, dim, start, end)
@@ -399,11 +477,18 @@ def _compare(lo: _Lowering, ins: Instruction) -> int:
 def _dot(lo: _Lowering, ins: Instruction) -> int:
     """dot with dimension numbers as permute + reshape + matmul; the output is
     (batch dims, lhs free dims, rhs free dims) as in XLA."""
-    lhs, rhs = lo.operands(ins)
+    lhs, rhs = lo.operands(ins, 2)
     dims = {k: int_list(ins.attrs.get(k, "{}")) for k in ("lhs_batch_dims", "rhs_batch_dims", "lhs_contracting_dims", "rhs_contracting_dims")}
     lb, rb, lc, rc = dims["lhs_batch_dims"], dims["rhs_batch_dims"], dims["lhs_contracting_dims"], dims["rhs_contracting_dims"]
-    lf = tuple(d for d in range(len(lo.b.shape(lhs))) if d not in lb + lc)
-    rf = tuple(d for d in range(len(lo.b.shape(rhs))) if d not in rb + rc)
+    ls, rs = lo.b.shape(lhs), lo.b.shape(rhs)
+    lf = tuple(d for d in range(len(ls)) if d not in lb + lc)
+    rf = tuple(d for d in range(len(rs)) if d not in rb + rc)
+    computed = tuple(ls[d] for d in lb + lf) + tuple(rs[d] for d in rf)
+    if [ls[d] for d in lb + lc] != [rs[d] for d in rb + rc] or computed != ins.type.dims:
+        raise GraphFileError(
+            lo.module.path, ins.line, f"batch and contracting dims of equal sizes and the shape they give, {list(computed)}",
+            f"{list(ls)} x {list(rs)} -> {list(ins.type.dims)}",
+        )
     left = _as_matrix(lo, lhs, lb, lf, lc)
     right = _as_matrix(lo, rhs, rb, rc, rf)
     product = lo.b.matmul(left, right)
@@ -432,7 +517,9 @@ def _reduce(lo: _Lowering, ins: Instruction) -> Value:
 
 
 def _select(lo: _Lowering, ins: Instruction) -> int:
-    return lo.b.add("where", tuple(lo.operands(ins)), (), ins.type.dims, ins.type.dtype)
+    args = lo.operands(ins, 3)
+    _same_shapes(lo, ins, args[1:] if lo.b.shape(args[0]) == () else args)
+    return lo.b.add("where", tuple(args), (), ins.type.dims, ins.type.dtype)
 
 
 def _collective(op: str) -> Callable[[_Lowering, Instruction], Value]:
@@ -699,7 +786,10 @@ def _tuple(lo: _Lowering, ins: Instruction) -> tuple:
 
 
 def _get_tuple_element(lo: _Lowering, ins: Instruction) -> Value:
-    return lo.env[ins.operands[0]][int(lo.attr(ins, "index"))]
+    value, index = lo.env[ins.operands[0]], int(lo.attr(ins, "index"))
+    if not isinstance(value, tuple) or not 0 <= index < len(value):
+        raise GraphFileError(lo.module.path, ins.line, "an index into a tuple operand", f"index={index}")
+    return value[index]
 
 
 def _custom_call(lo: _Lowering, ins: Instruction) -> Value:
@@ -712,7 +802,7 @@ def _custom_call(lo: _Lowering, ins: Instruction) -> Value:
 
 def _neuron_rms_norm(lo: _Lowering, ins: Instruction) -> int:
     """AwsNeuronRmsNorm(x, weight, eps): backend_config holds the normalised dim."""
-    x, weight, eps = lo.operands(ins)
+    x, weight, eps = lo.operands(ins, 3)
     node = lo.graph[eps]
     if node.op != "const" or node.attrs[0][0] != "full":
         raise UnsupportedOp("AwsNeuronRmsNorm with a non-constant epsilon", f"{lo.module.path}:{ins.line}")

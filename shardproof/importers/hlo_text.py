@@ -67,6 +67,9 @@ class Instruction:
 @dataclass
 class Computation:
     name: str
+    line: int
+    params: list[HloType] | None = None  # the header's parameter types, when it lists them
+    result: HloType | None = None  # the header's result type, when it states one
     instructions: list[Instruction] = field(default_factory=list)
 
     @property
@@ -110,7 +113,7 @@ def _fields(text: str) -> dict[str, int]:
     return {k: int(v) for k, v in re.findall(r"(\w+)=(-?\d+)", text)}
 
 
-_HEADER = re.compile(r"^(ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*(\(.*\))?\s*(->.*)?\{\s*$")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*(?=[({-])")
 _TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
 _COMMENT = re.compile(r'"(?:[^"\\]|\\.)*"|/\*.*?\*/')
 
@@ -145,11 +148,14 @@ def parse_hlo(text: str, path: str) -> HloModule:
             header = _HEADER.match(line)
             if header is None:
                 raise GraphFileError(path, number, "a computation header `%name (params) -> type {`", line)
-            current = Computation(header["name"])
+            current = _computation(header, line, path, number)
             if header.group(1):
                 entry = current.name
             continue
         if line == "}":
+            _check_definitions(current, path)
+            if current.name in computations:
+                raise GraphFileError(path, current.line, f"a new computation name (`{current.name}` is defined twice)", line)
             computations[current.name] = current
             current = None
             continue
@@ -161,6 +167,76 @@ def parse_hlo(text: str, path: str) -> HloModule:
     if entry is None:
         raise GraphFileError(path, len(text.splitlines()), "an `ENTRY` computation", "none")
     return HloModule(module_name, computations, entry, path, module_line, tables)
+
+
+def _computation(header: re.Match, line: str, path: str, number: int) -> Computation:
+    """A computation opened by its header; `(p0: f32[2], p1: s32[]) -> f32[2] {` typed when given."""
+    computation = Computation(header["name"], number)
+    cursor = _Line(line, path, number)
+    cursor.pos = header.end()
+    if cursor.peek("("):
+        cursor.pos += 1
+        params = _Line(cursor.balanced(")"), path, number)
+        computation.params = []
+        while not params.at_end():
+            params.take(r"%?[\w.\-]+\s*:", "a parameter `name: type`")
+            computation.params.append(params.type())
+            if not params.at_end():
+                params.take(r",", "`,` between parameters")
+    if cursor.peek("->"):
+        cursor.pos += 2
+        computation.result = cursor.type()
+    cursor.take(r"\{\s*$", "`{` ending the computation header")
+    return computation
+
+
+def _check_definitions(computation: Computation, path: str) -> None:
+    """Every operand defined above its use, every name once, parameters numbered 0..n-1 once each
+    with the header's types, one ROOT of the header's result type."""
+    defined: dict[str, int] = {}
+    for ins in computation.instructions:
+        for operand in ins.operands:
+            if operand not in defined:
+                later = next((i.line for i in computation.instructions if i.name == operand), None)
+                where = f" (it is defined below, at line {later})" if later else " (it is defined nowhere)"
+                raise GraphFileError(path, ins.line, f"operands defined above their use: `%{operand}` is not{where}", ins.name)
+        if ins.name in defined:
+            raise GraphFileError(path, ins.line, f"a new instruction name (`%{ins.name}` is defined at line {defined[ins.name]})", ins.name)
+        defined[ins.name] = ins.line
+    if not computation.instructions:
+        raise GraphFileError(path, computation.line, f"instructions in computation `{computation.name}`", "none")
+    roots = [i for i in computation.instructions if i.root]
+    if len(roots) > 1:
+        raise GraphFileError(path, roots[1].line, f"one ROOT in computation `{computation.name}` (another at line {roots[0].line})", roots[1].name)
+    parameters = [i for i in computation.instructions if i.opcode == "parameter"]
+    numbers = []
+    for ins in parameters:
+        if not re.fullmatch(r"\s*\d+\s*", ins.literal):
+            raise GraphFileError(path, ins.line, "a parameter number like `parameter(0)`", ins.literal)
+        numbers.append(int(ins.literal))
+    if sorted(numbers) != list(range(len(numbers))):
+        ins = parameters[next((k for k, n in enumerate(numbers) if numbers.count(n) > 1 or n >= len(numbers)), -1)]
+        raise GraphFileError(path, ins.line, f"parameters numbered 0..{len(numbers) - 1}, each once", f"parameter({ins.literal})")
+    if computation.params is not None:
+        if len(computation.params) != len(parameters):
+            raise GraphFileError(path, computation.line, f"as many parameter instructions as the header lists ({len(computation.params)})", str(len(parameters)))
+        for ins in parameters:
+            if _array(ins.type) != _array(computation.params[int(ins.literal)]):
+                raise GraphFileError(path, ins.line, f"the header's type for parameter {ins.literal}", _typed(ins.type))
+    root = roots[0] if roots else computation.instructions[-1]
+    if computation.result is not None and _array(root.type) != _array(computation.result):
+        raise GraphFileError(path, root.line, f"the header's result type {_typed(computation.result)} at the ROOT", _typed(root.type))
+
+
+def _array(t: HloType) -> tuple:
+    """A type without its layout, for comparison."""
+    return (t.dtype, t.dims, tuple(_array(e) for e in t.elements))
+
+
+def _typed(t: HloType) -> str:
+    if t.dtype == "tuple":
+        return "(" + ", ".join(_typed(e) for e in t.elements) + ")"
+    return f"{t.dtype}{list(t.dims)}"
 
 
 class _Line:
@@ -184,6 +260,10 @@ class _Line:
             raise self.fail(expected)
         self.pos = match.end()
         return match.group(0)
+
+    def at_end(self) -> bool:
+        self.skip_space()
+        return self.pos >= len(self.text)
 
     def peek(self, char: str) -> bool:
         self.skip_space()
@@ -226,8 +306,13 @@ class _Line:
         if base not in DTYPES:
             raise GraphFileError(self.path, self.number, f"an element type ({', '.join(DTYPES)})", base)
         text, _, layout = dims.partition("]")
-        sizes = tuple(int(d) for d in text.replace("<=", "").split(",") if d.strip())
+        dims_text = [d.strip().removeprefix("<=") for d in text.split(",") if d.strip()]
+        if not all(d.isdigit() for d in dims_text):
+            raise GraphFileError(self.path, self.number, "dims that are whole numbers", token)
+        sizes = tuple(int(d) for d in dims_text)
         order = layout.strip("{}").split(":")[0]  # tiling and memory space after `:` say nothing of the order
+        if layout and (not re.fullmatch(r"[\d,\s]*", order) or sorted(int(d) for d in order.split(",") if d.strip()) != list(range(len(sizes)))):
+            raise GraphFileError(self.path, self.number, f"a layout that is a permutation of the dims 0..{len(sizes) - 1}", token)
         minor_to_major = tuple(int(d) for d in order.split(",") if d.strip()) if layout else None
         return HloType(DTYPES[base], sizes, (), minor_to_major if minor_to_major or not sizes else None, base)
 

@@ -3,6 +3,8 @@ implementations, must compute what the HLO instruction means (written here in to
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -37,7 +39,8 @@ def hlo(params: dict[str, str], body: list[str]) -> str:
     lines = [f"  %{name} = {ty} parameter({i})" for i, (name, ty) in enumerate(params.items())]
     lines += [f"  {line}" for line in body[:-1]] + [f"  ROOT {body[-1]}"]
     signature = ", ".join(f"{n}: {t}" for n, t in params.items())
-    return f"HloModule test\n{REDUCERS}\nENTRY %main ({signature}) -> f32[] {{\n" + "\n".join(lines) + "\n}\n"
+    result = re.match(r"%\S+ = (\([^)]*\)|\S+)", body[-1]).group(1)  # the ROOT's declared type
+    return f"HloModule test\n{REDUCERS}\nENTRY %main ({signature}) -> {result} {{\n" + "\n".join(lines) + "\n}\n"
 
 
 def run(text: str, **inputs: torch.Tensor) -> list[torch.Tensor]:
