@@ -113,8 +113,55 @@ class _Parser:
                 self.placeholder(arg.arg, self.meta(arg.annotation, arg))
         for statement in forward.body:
             self.statement(statement)
-        _tuple_values(self.graph)
+        if not any(n.op == "output" for n in self.graph.nodes):
+            raise GraphFileError(self.path, self.source.count("\n") + 1, "`return [outputs]` ending forward", "end of file")
+        self.check_values()
         return self.graph, self.output_names
+
+    def check_values(self) -> None:
+        """Every torch op run on its operands' meta tensors (torch's own shape checks): a node its
+        operands do not fit, or whose annotation is not what the op computes, is refused at its
+        line. A multi-output op, which has no annotation of its own, gets the tuple make_fx would
+        have recorded."""
+        for node in self.graph.nodes:
+            if node.op != "call_function":
+                continue
+            if node.target is operator.getitem:
+                self.check_item(node)
+                continue
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+            if not isinstance(node.target, torch._ops.OpOverload) or None in _leaves(args, kwargs):
+                continue  # a kernel not loaded here, or an operand without a value: the lowering decides
+            kwargs = {**kwargs, **({"device": "meta"} if "device" in kwargs else {})}
+            try:
+                computed = node.target(*args, **kwargs)
+            except NotImplementedError:
+                continue  # no meta kernel
+            except Exception as err:  # noqa: BLE001 - torch's check says what does not fit
+                reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+                raise self.mismatch(node, f"operands that `{_short(node.target)}` accepts ({reason})") from None
+            self.check_declared(node, computed)
+
+    def check_item(self, node: fx.Node) -> None:
+        container, index = node.args
+        values = container.meta.get("val") if isinstance(container, fx.Node) else None
+        if not isinstance(values, (tuple, list)):
+            return
+        if not isinstance(index, int) or not -len(values) <= index < len(values):
+            raise self.mismatch(node, f"an index into the {len(values)} outputs of `{container.name}`")
+        self.check_declared(node, values[index])
+
+    def check_declared(self, node: fx.Node, computed: Any) -> None:
+        declared = node.meta.get("val")
+        if declared is None:
+            node.meta["val"] = computed
+        elif not isinstance(computed, torch.Tensor) or (computed.shape, computed.dtype) != (declared.shape, declared.dtype):
+            what = _annotation(computed) if isinstance(computed, torch.Tensor) else f"a {type(computed).__name__}"
+            raise self.mismatch(node, f'the annotation "{_annotation(declared)}" to be what the op computes, {what}')
+
+    def mismatch(self, node: fx.Node, expected: str) -> GraphFileError:
+        line = node.meta["dump_line"]
+        return GraphFileError(self.path, line, expected, self.source.splitlines()[line - 1])
 
     def placeholder(self, name: str, val: torch.Tensor) -> None:
         node = self.graph.placeholder(name)
@@ -167,7 +214,7 @@ class _Parser:
             return
         else:
             raise self.fail(st, "a call of a torch.ops operator, an item `x[0]`, or `self.<constant>`")
-        node.meta.update(dump_name=name, location=self.locations.get(st.lineno))
+        node.meta.update(dump_name=name, location=self.locations.get(st.lineno), dump_line=st.lineno)
         if val is not None:
             node.meta["val"] = val
         self.env[name] = node
@@ -233,17 +280,18 @@ class _Parser:
         return {start + k: name for k, name in enumerate(primals)} if start >= 0 else {}
 
 
-def _tuple_values(graph: fx.Graph) -> None:
-    """A multi-output aten node has no annotation of its own: run it on its operands' meta
-    tensors for the tuple of outputs make_fx would have recorded."""
-    for node in graph.nodes:
-        if node.op != "call_function" or "val" in node.meta or not isinstance(node.target, torch._ops.OpOverload):
-            continue
-        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
-        try:
-            node.meta["val"] = node.target(*args, **kwargs)
-        except Exception:  # noqa: BLE001 - no meta kernel: lowerings that need the value say so
-            continue
+def _leaves(*values: Any) -> list[Any]:
+    return [x for v in values for x in (_leaves(*(v.values() if isinstance(v, dict) else v)) if isinstance(v, (list, tuple, dict)) else [v])]
+
+
+def _short(target: Any) -> str:
+    return str(target).removeprefix("aten.")
+
+
+def _annotation(value: torch.Tensor) -> str:
+    """A tensor as a dump annotates it: `f32[8, 16]`."""
+    dtype = next((k for k, v in DTYPES.items() if v == value.dtype), str(value.dtype).removeprefix("torch."))
+    return f"{dtype}[{', '.join(str(d) for d in value.shape)}]"
 
 
 def _dotted(node: ast.AST) -> str | None:

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from shardproof.errors import UnsupportedOp
+from shardproof.errors import GraphFileError, UnsupportedOp
 from shardproof.importers.graph_inputs import GraphInput, ImportedGraph
 from shardproof.ir import from_fx
 from shardproof.ir.build import GraphBuilder
@@ -72,6 +72,14 @@ class DumpLowerer(Lowerer):
         constants = {i.name for i in self.imported.inputs}
         self.imported.inputs = [GraphInput(n.attrs[0], n.id, n.shape, n.dtype, n.attrs[0] in constants) for n in leaves]
         return self.imported
+
+    def call(self, node: fx.Node) -> Value:
+        """The node's IR; arguments its lowering cannot read are the dump's fault, refused at its line."""
+        try:
+            return super().call(node)
+        except (ValueError, IndexError, KeyError, TypeError, ZeroDivisionError, RuntimeError) as err:
+            line = node.meta.get("dump_line", 1)
+            raise GraphFileError(self.imported.path, line, f"arguments `{node.target}` can take ({type(err).__name__}: {err})", node.name) from None
 
     def emit(self, op: str, inputs: tuple[int, ...], attrs: tuple = (), shape=None, dtype=None) -> int:
         if OPS[op].kind == "collective" and len(attrs[-1]) == 1:

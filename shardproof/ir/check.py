@@ -16,6 +16,13 @@ from shardproof.ir.graph import Graph, Node
 from shardproof.ir.ops import OPS
 
 
+# operands per op kind (see ir/ops.py); layout ops take one but `cat`, open ops as their template says
+_ARITY = {
+    "unary": 1, "binary": 2, "compare": 2, "where": 3, "reduce": 1, "softmax": 1, "matmul": 2, "embedding": 2,
+    "gather": 2, "scatter": 3, "mask": 1, "collective": 1,
+}  # fmt: skip
+
+
 class Inconsistent(Exception):
     """A node its operands do not fit; the message says what was expected."""
 
@@ -28,6 +35,9 @@ def check_node(graph: Graph, node: Node) -> None:
         _check_constant(node)
         return
     operands = [graph[i] for i in node.inputs]
+    arity = 1 if kind == "layout" and node.op != "cat" else _ARITY.get(kind)
+    if arity is not None and len(operands) != arity:
+        raise Inconsistent(f"{arity} operand{'s' if arity > 1 else ''} for `{_name(node)}`, not {len(operands)}")
     computed = _collective_shape(node, operands[0].shape) if kind == "collective" else _meta_shape(node, operands)
     if computed != node.shape:
         raise Inconsistent(f"shape {list(computed)}, as `{_name(node)}` computes from {_shapes(operands)}, not {list(node.shape)}")
