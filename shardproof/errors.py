@@ -1,6 +1,10 @@
 """Errors that mean "unusable input": the CLI turns them into exit code 2 with their message."""
 
 
+class InternalError(Exception):
+    """A failure inside shardproof itself, not the input's fault: the CLI exits 3 (a bug to report)."""
+
+
 class ShardproofError(Exception):
     """Base class: the message alone must tell the user what to do next."""
 

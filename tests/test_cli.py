@@ -11,6 +11,7 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
+import torch
 
 from shardproof import verify
 from shardproof.cli import main
@@ -264,3 +265,21 @@ def test_a_program_that_raises_when_run_exits_2_naming_the_rank_and_line(tmp_pat
     line = _line_of(EMBEDDING, "rows = F.embedding")
     assert f"the program raises on rank 0 at case.py:{line}" in err and "IndexError" in err, err
     assert "Traceback" not in err
+
+
+def test_a_model_failing_on_one_rank_is_unusable_input_naming_rank_and_line(tmp_path: Path, capsys) -> None:
+    text = MLP.replace("return self.down(torch.relu(self.up(x)))", "assert self.up.out_features != 8, 'rank two'\n        return self.down(torch.relu(self.up(x)))")
+    assert main(["verify", _case(tmp_path, text), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    line = _line_of(text, "assert self.up")
+    assert "tracing rank 0 failed: AssertionError: rank two" in err and f"case.py:{line}" in err and "Traceback" not in err
+
+
+def test_an_internal_error_while_tracing_exits_3_in_one_line(monkeypatch, capsys) -> None:
+    """A bug in shardproof's own code on the tracing path is no fault of the model's."""
+    monkeypatch.setattr(torch.autograd, "_get_sequence_nr", {}.popitem)  # KeyError, raised in shardproof's frame
+    assert main(["verify", str(CASES / "ddp-sync-flag-late_fixed.py"), "--quiet", "--train"]) == 3
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "Traceback" not in err
+    assert "failed in shardproof (capture/locations.py:" in err and "KeyError: 'popitem(): dictionary is empty'" in err
+    assert "bug in shardproof" in err

@@ -141,6 +141,22 @@ def user_frame(err: Exception) -> str:
     return f"\n  at {last.filename}:{last.lineno}  {(last.line or '').strip()}"
 
 
+# Python's own errors of a program's logic
+_PROGRAMMING_ERRORS = (KeyError, AttributeError, AssertionError, NameError, ZeroDivisionError, RecursionError)
+
+
+def raised_by_shardproof(err: BaseException) -> str | None:
+    """Where shardproof failed on its own (`file:line`), or None when the user's code did: a
+    programming error (KeyError, AttributeError, ...; torch raises none of these for a user's
+    shapes or dtypes) whose innermost frame outside torch and Python's library is ours."""
+    if not isinstance(err, _PROGRAMMING_ERRORS):
+        return None
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if is_user_code(f.filename) or f.filename.startswith(_TOOLS[1])]
+    if not frames or not frames[-1].filename.startswith(_TOOLS[1]):
+        return None
+    return f"{frames[-1].filename.removeprefix(_TOOLS[1])}:{frames[-1].lineno}"
+
+
 def locate(node: fx.Node) -> Location | None:
     """The innermost frame outside torch itself: the user's line that produced this op."""
     trace = node.meta.get("stack_trace")

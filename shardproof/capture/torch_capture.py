@@ -27,11 +27,11 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from shardproof.capture import custom_ops
 from shardproof.capture.dispatch_trace import NotPlain, Traced, chain, record
 from shardproof.capture.hints import hint
-from shardproof.capture.locations import autograd_origins, every_user_frame, locator, user_frame
+from shardproof.capture.locations import autograd_origins, every_user_frame, locator, raised_by_shardproof, user_frame
 from shardproof.capture.meshes import RealDeviceMeshes, distinct_meshes, real_shard_offsets
 from shardproof.capture.symbolic_rank import symbolic_rank
 from shardproof.case import Case
-from shardproof.errors import CaptureError, CaseError, ShardproofError
+from shardproof.errors import CaptureError, CaseError, InternalError, ShardproofError
 from shardproof.ir.from_fx import Lowerer
 from shardproof.ir.graph import BOUND_LEAF_PREFIX, Graph
 from shardproof.ir.rank_expr import RankExpr
@@ -177,7 +177,7 @@ def _meta_reference(case: Case) -> torch.nn.Module | None:
     """The reference built on meta tensors, or None if it cannot be or holds tensor subclasses."""
     try:
         model = _build_model("reference()", lambda: _on_meta(case.reference))
-    except ShardproofError:
+    except (ShardproofError, InternalError):
         return None
     plain = all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in module_state(model).values())
     return model if plain else None
@@ -204,7 +204,7 @@ def _trace_reference(session: _Session, memo: bool) -> Graph:
             return trace(session.model, light_only=False)
         try:
             return trace(session.model, light_only=True)
-        except (ShardproofError, NotPlain):
+        except (ShardproofError, InternalError, NotPlain):
             model = _build_model("reference()", session.case.reference)
             return trace(model, light_only=False)
 
@@ -223,7 +223,7 @@ def _trace_rank(session: _Session, rank: int, bound: list[torch.Tensor], memo: b
         if program.loads_separately:
             try:
                 return _trace_loaded(session, rank, memo, on_meta=True), Trained()
-            except (ShardproofError, NotPlain):
+            except (ShardproofError, InternalError, NotPlain):
                 return _trace_loaded(session, rank, memo, on_meta=False), Trained()
         model = _build_model(f"distributed({rank}, {world_size})", lambda: session.case.distributed(rank, world_size))
         runs: list[Trained] = []  # make_fx traces tensors only: the rest of a run's result is kept here
@@ -305,7 +305,7 @@ def _rank_class(session: _Session, rank: int, memo: bool) -> RankClass | None:
     with _process_group(rank, session.world_size), symbolic_rank(rank, session.world_size) as (symbol, guards):
         try:
             graph = _trace_loaded(session, rank, memo, on_meta=True, symbol=symbol)
-        except (ShardproofError, NotPlain):
+        except (ShardproofError, InternalError, NotPlain):
             return None
     return RankClass(graph, frozenset(guards))
 
@@ -420,12 +420,16 @@ def _after(first: Callable, then: Callable) -> Callable:
 
 
 def _failing_as_capture_error(what: str, run: Callable[[], Any]) -> Any:
-    """`run()`; any failure but ours becomes a CaptureError "<what> failed", with the user's frame."""
+    """`run()`; a failure of the user's code becomes a CaptureError "<what> failed" with the user's
+    frame, one of shardproof's own an InternalError saying where."""
     try:
         return run()
-    except (ShardproofError, NotPlain):
+    except (ShardproofError, InternalError, NotPlain):
         raise
-    except Exception as err:  # noqa: BLE001 - any failure in user code is reported with the user's frame
+    except Exception as err:  # noqa: BLE001 - every failure is either the user's or ours
+        ours = raised_by_shardproof(err)
+        if ours is not None:
+            raise InternalError(f"{what} failed in shardproof ({ours}): {type(err).__name__}: {_first_line(err)}") from err
         raise CaptureError(f"{what} failed: {type(err).__name__}: {_first_line(err)}{user_frame(err)}{hint(err)}") from err
 
 
