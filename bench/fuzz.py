@@ -330,7 +330,8 @@ def same_program(original, mutant) -> bool | None:  # noqa: ANN001 - importers' 
     pairs = list(zip(original.graphs, mutant.graphs))
     if any(not _same_inputs(a, b) for a, b in pairs):
         return False
-    if all(_canonical(a) == _canonical(b) for a, b in pairs):
+    ids: dict[tuple, int] = {}  # one numbering for both, so equal ids mean equal terms
+    if all(_canonical(a, ids) == _canonical(b, ids) for a, b in pairs):
         return True
     if max(_elements(g.graph) for _, g in pairs) > NUMERIC_LIMIT or _elements(pairs[0][0].graph) > NUMERIC_LIMIT:
         return None
@@ -341,10 +342,10 @@ def _same_inputs(a, b) -> bool:  # noqa: ANN001
     return [(i.shape, i.dtype) for i in a.inputs] == [(i.shape, i.dtype) for i in b.inputs]
 
 
-def _canonical(imported) -> tuple:  # noqa: ANN001 - an ImportedGraph
-    """The outputs as hash-consed ids of (op, attrs, shape, dtype, operands); inputs by position."""
+def _canonical(imported, ids: dict[tuple, int]) -> tuple:  # noqa: ANN001 - an ImportedGraph
+    """The outputs, and the collectives issued in order (a rank's calls other ranks must match,
+    used or not), as hash-consed ids of (op, attrs, shape, dtype, operands); inputs by position."""
     position = {i.node: k for k, i in enumerate(imported.inputs)}
-    ids: dict[tuple, int] = {}
     of: dict[int, int] = {}
     for node in imported.graph.nodes:
         operands = [of[i] for i in node.inputs]
@@ -353,7 +354,8 @@ def _canonical(imported) -> tuple:  # noqa: ANN001 - an ImportedGraph
         attrs = ("input", position[node.id]) if node.id in position else repr(node.attrs)
         key = (node.op, attrs, node.shape, node.dtype, tuple(operands))
         of[node.id] = ids.setdefault(key, len(ids))
-    return tuple(of[o] for o in imported.graph.outputs)
+    collectives = tuple(of[n.id] for n in imported.graph.nodes if n.op in ("all_reduce", "all_gather", "reduce_scatter"))
+    return tuple(of[o] for o in imported.graph.outputs), collectives
 
 
 def _elements(graph) -> int:  # noqa: ANN001

@@ -199,6 +199,8 @@ class _Parser:
             self.placeholder(element.id, self.declared[element.id])
 
     def assign(self, name: str, value: ast.expr, val: torch.Tensor | None, st: ast.stmt) -> None:
+        if name in self.env:  # a graph names each value once
+            raise self.fail(st, f"a new name (`{name}` is assigned above)")
         if isinstance(value, ast.Subscript):
             args = (self.expr(value.value), self.expr(value.slice))
             node = self.graph.create_node("call_function", operator.getitem, args, {}, name=name)

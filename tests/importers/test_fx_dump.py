@@ -249,3 +249,43 @@ def test_malformed_dump_names_file_line_and_expectation(tmp_path: Path, line: st
     with pytest.raises(GraphFileError) as err:
         load_fx(str(path), 0, 1)
     assert str(err.value).startswith(f"{path}:3: expected {expected}")
+
+
+@pytest.mark.parametrize(
+    "lines, expected",
+    [
+        (['        y: "f32[4]" = torch.ops.aten.neg.default(x)'], 'the annotation "f32[4]" to be what the op computes, f32[3]'),
+        (['        y: "i64[3]" = torch.ops.aten.neg.default(x)'], 'the annotation "i64[3]" to be what the op computes, f32[3]'),
+        (['        y: "f32[3]" = torch.ops.aten.mm.default(x, x)'], "operands that `mm.default` accepts"),
+        (['        y: "f32[2, 2]" = torch.ops.aten.view.default(x, [2, 2])'], "operands that `view.default` accepts"),
+        (["        y = torch.ops.aten.split_with_sizes.default(x, [1, 1])"], "operands that `split_with_sizes.default` accepts"),
+        (["        s = torch.ops.aten.split_with_sizes.default(x, [1, 2])", '        y: "f32[2]" = s[0]'],
+         'the annotation "f32[2]" to be what the op computes, f32[1]'),
+        (["        s = torch.ops.aten.split_with_sizes.default(x, [1, 2])", '        y: "f32[1]" = s[2]'], "an index into the 2 outputs of `s`"),
+        (['        y: "f32[3]" = torch.ops.aten.neg.default(x)', '        y: "f32[3]" = torch.ops.aten.exp.default(x)'],
+         "a new name (`y` is assigned above)"),
+    ],
+    ids=["shape", "dtype", "operands", "view-count", "split-sizes", "split-item", "item-index", "assigned-twice"],
+)
+def test_a_dump_that_contradicts_itself_is_refused_at_its_line(tmp_path: Path, lines: list[str], expected: str) -> None:
+    path = tmp_path / "bad.py"
+    path.write_text('class G(torch.nn.Module):\n    def forward(self, x: "f32[3]"):\n' + "\n".join(lines) + "\n        return (x,)\n")
+    with pytest.raises(GraphFileError) as err:
+        load_fx(str(path), 0, 1)
+    assert str(err.value).startswith(f"{path}:{2 + len(lines)}: expected {expected}"), str(err.value)
+
+
+@pytest.mark.parametrize("data, line, found", [(b"# ok\n# \xff\n", 2, "UTF-8 text, found `byte 0xff`"), (b"\n\x00\x01binary", 2, "text without NUL bytes")])
+def test_a_dump_that_is_no_text_is_refused_with_its_line(tmp_path: Path, data: bytes, line: int, found: str) -> None:
+    path = tmp_path / "bad.py"
+    path.write_bytes(data)
+    with pytest.raises(GraphFileError) as err:
+        load_fx(str(path), 0, 1)
+    assert str(err.value).startswith(f"{path}:{line}: expected {found}")
+
+
+def test_a_truncated_dump_without_its_return_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "cut.py"
+    path.write_text('class G(torch.nn.Module):\n    def forward(self, x: "f32[3]"):\n        y: "f32[3]" = torch.ops.aten.neg.default(x)\n')
+    with pytest.raises(GraphFileError, match=r"cut.py:4: expected `return \[outputs\]` ending forward"):
+        load_fx(str(path), 0, 1)

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from shardproof.errors import UnsupportedOp
+from shardproof.errors import GraphFileError, UnsupportedOp
 from shardproof.importers.hlo import lower_hlo, world_size_of
 from shardproof.importers.hlo_text import parse_hlo
 from shardproof.ir.run import run_graph, run_ranks
@@ -296,3 +296,40 @@ def test_partition_id_offsets_and_tuple_collectives_per_rank() -> None:
     for out in outputs:
         torch.testing.assert_close(out[0], x[0:2] + x[2:4])
         torch.testing.assert_close(out[1], 2 * x)
+
+
+@pytest.mark.parametrize(
+    "params, body, expected",
+    [
+        ({"x": "f32[2,3]"}, ["%y = f32[4,2] reshape(%x)"], "operands that `view` accepts, but [2, 3] do not fit"),
+        ({"x": "f32[2,3]"}, ["%y = f32[2,3] transpose(%x), dimensions={1,0}"], "the declared shape [2, 3], but `transpose` computes [3, 2]"),
+        ({"x": "f32[2,3]"}, ["%y = f32[2,3] transpose(%x), dimensions={0,0}"], "operands that `permute` accepts"),
+        ({"x": "f32[2,3]"}, ["%y = f32[2,4] add(%x, %x)"], "operands of the declared shape [2, 4] (HLO does not broadcast)"),
+        ({"x": "f32[2,3]"}, ["%y = f32[2,3] exponential(%x, %x)"], "1 operand for `exp`, not 2"),
+        ({"x": "f32[2,3]"}, ["%y = f32[2,3] copy(%x, %x)"], "1 operand for `copy`"),
+        ({"x": "f32[3]"}, ["%y = f32[3,2] broadcast(%x), dimensions={1}"], "operand dims [3] at distinct dims={1} of [3, 2]"),
+        ({"a": "f32[2,3]", "b": "f32[2,3]"}, ["%y = f32[2,3] dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}"],
+         "batch and contracting dims of equal sizes"),
+        ({"x": "f32[2,3]"}, ["%y = f32[2] slice(%x), slice={[0:2]}"], "one [start:end] per operand dim (2)"),
+        ({"x": "f32[2,3]"}, ["%y = f32[2,2] slice(%x), slice={[0:2], [2:4]}"], "operands that `slice` accepts"),
+        ({"a": "f32[2,3]", "b": "f32[3,3]"}, ["%y = f32[2,6] concatenate(%a, %b), dimensions={1}"], "operands that `cat` accepts"),
+        ({"x": "f32[2,3]"}, ["%y = f32[2,3] iota(), iota_dimension=5"], "a `iota` whose attributes fit its operands (IndexError"),
+        ({"x": "f32[2,3]"}, ["%y = f32[2,3] all-reduce(%x), replica_groups={{0,0}}, to_apply=%add_f32"],
+         "replica groups holding each of ranks 0..1 at most once"),
+    ],
+    ids=["reshape-count", "declared-vs-computed", "not-a-permutation", "implicit-broadcast", "operand-count", "extra-operand",
+         "broadcast-dims", "contracting-sizes", "slice-ranges", "slice-bounds", "concatenate", "attribute-past-rank", "replica-groups"],
+)
+def test_an_instruction_its_operands_do_not_fit_is_refused_at_its_line(params: dict, body: list[str], expected: str) -> None:
+    with pytest.raises(GraphFileError) as err:
+        lower_hlo(parse_hlo(hlo(params, body), "t.hlo"), 0, 2)
+    line = hlo(params, body).splitlines().index(f"  ROOT {body[-1]}") + 1
+    assert str(err.value).startswith(f"t.hlo:{line}: expected {expected}"), str(err.value)
+
+
+def test_a_reducer_that_lost_a_parameter_is_refused() -> None:
+    text = hlo({"x": "f32[2,3]"}, ["%z = f32[] constant(0)", "%y = f32[3] reduce(%x, %z), dimensions={0}, to_apply=%add_f32"])
+    broken = text.replace("ROOT %c = f32[] add(%a, %b)", "ROOT %c = f32[] add(%a, %a)")
+    assert broken != text
+    with pytest.raises(GraphFileError, match="expected a reducer combining its two parameters"):
+        lower_hlo(parse_hlo(broken, "t.hlo"), None, 1)

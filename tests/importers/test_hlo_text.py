@@ -111,3 +111,26 @@ def test_replica_groups_in_iota_and_sub_axis_form() -> None:
     assert groups("mesh['dp'=2,'tp'=2] {'dp'}") == [(0, 2), (1, 3)]
     assert groups("mesh['a'=8] {'a':(1)2}") == [(0, 4), (1, 5), (2, 6), (3, 7)]
     assert groups("mesh['a'=8] {'a':(4)2}") == [(0, 1), (2, 3), (4, 5), (6, 7)]
+
+
+@pytest.mark.parametrize(
+    "old, new, line, expected",
+    [
+        ("  %zero = f32[] constant(0)\n  %r = ", "  %r = ", 11, "operands defined above their use: `%zero` is not (it is defined nowhere)"),
+        ("  %zero = f32[] constant(0)\n  %r = f32[3]{0} reduce(%p0, %zero), dimensions={0}, to_apply=%sum\n",
+         "  %r = f32[3]{0} reduce(%p0, %zero), dimensions={0}, to_apply=%sum\n  %zero = f32[] constant(0)\n", 11,
+         "operands defined above their use: `%zero` is not (it is defined below, at line 12)"),
+        ("  %zero = f32[] constant(0)\n", "  %zero = f32[] constant(0)\n  %zero = f32[] constant(1)\n", 12, "a new instruction name (`%zero` is defined at line 11)"),
+        ("%b = f32[] parameter(1)", "%b = f32[] parameter(2)", 5, "parameters numbered 0..1, each once"),
+        ("%p0 = f32[2,3]{1,0} parameter(0)", "%p0 = f32[2,4]{1,0} parameter(0)", 10, "the header's type for parameter 0"),
+        ("%p0 = f32[2,3]{1,0} parameter(0)", "%p0 = f32[2,3]{1,22} parameter(0)", 10, "a layout that is a permutation of the dims 0..1"),
+        ("  ROOT %t = (f32[3]{0}, f32[2,3]{1,0})", "  ROOT %t = (f32[3]{0}, f32[3,2]{1,0})", 13, "the header's result type"),
+        ("  %zero = f32[] constant(0)\n", "  ROOT %zero = f32[] constant(0)\n", 13, "one ROOT in computation `main` (another at line 11)"),
+    ],
+    ids=["undefined", "used-before-defined", "defined-twice", "parameter-number", "parameter-type", "layout", "root-type", "two-roots"],
+)
+def test_a_module_that_contradicts_itself_is_refused_at_its_line(old: str, new: str, line: int, expected: str) -> None:
+    assert old in MODULE
+    with pytest.raises(GraphFileError) as err:
+        parse_hlo(MODULE.replace(old, new), "bad.hlo")
+    assert str(err.value).startswith(f"bad.hlo:{line}: expected {expected}")
