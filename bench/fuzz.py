@@ -398,6 +398,8 @@ def run(subjects: list[Subject], n: int, seed: int, timeout: float = 120.0, log:
     with tempfile.TemporaryDirectory() as workdir:
         for k in range(n):
             trials.append(trial(rng.choice(subjects), random.Random(rng.getrandbits(64)), Path(workdir), timeout))
+            if trials[-1].outcome in FAILURES:
+                log(f"trial {k}: {_failure(trials[-1])}")
             if (k + 1) % 100 == 0:
                 log(f"{k + 1}/{n}: {dict(Counter(t.outcome for t in trials))}")
     return trials
@@ -416,6 +418,10 @@ def summary(trials: list[Trial]) -> str:
     return "\n".join(rows)
 
 
+def _failure(t: Trial) -> str:
+    return f"{t.outcome}: {t.subject} {t.file} ({t.mutation}): {t.detail}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=1000, help="number of corrupted inputs (default 1000)")
@@ -432,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     print(summary(trials))
     failures = [t for t in trials if t.outcome in FAILURES]
     for t in failures:
-        print(f"- {t.outcome}: {t.subject} {t.file} ({t.mutation}): {t.detail}")
+        print(f"- {_failure(t)}")
     return 1 if failures else 0
 
 
