@@ -5,7 +5,7 @@ Each trial corrupts one file of a pair (truncation, a line deleted, duplicated o
 or a shape number changed, invalid UTF-8, binary noise), verifies the pair in this process and
 sorts the outcome. A corrupted input must be rejected as unusable (exit 2), or, if accepted, mean
 the program it was: the mutant side is compared with the original side, node for node on their IR
-(commutative operands in any order, inputs by position) and, when small enough, numerically on
+(commutative operands in any order, inputs by name, else by position) and, when small enough, numerically on
 random inputs. The failures are a traceback (any exception but shardproof's input errors), a
 timeout, `equivalent` for a program that is not the same, and `discrepancy` on a corrupted copy of
 a correct pair that still means the same program.
@@ -323,35 +323,44 @@ _COMMUTATIVE = {"add", "mul", "maximum", "minimum", "eq", "ne", "logical_and", "
 
 def same_program(original, mutant) -> bool | None:  # noqa: ANN001 - importers' Program
     """Whether two imports of one side mean the same program: True if their IR graphs are the same
-    node for node (inputs matched by position, commutative operands in any order) or, when small
-    enough to run, compute the same numbers; None when they differ in form and are too large to run."""
+    node for node (inputs matched by name, or by position where the names differ; commutative
+    operands in any order) or, when small enough to run, compute the same numbers; None when they
+    differ in form and are too large to run."""
     if original.world_size != mutant.world_size:
         return False
     pairs = list(zip(original.graphs, mutant.graphs))
-    if any(not _same_inputs(a, b) for a, b in pairs):
+    matched = [_matched_inputs(a, b) for a, b in pairs]
+    if any(m is None for m in matched):
         return False
     ids: dict[tuple, int] = {}  # one numbering for both, so equal ids mean equal terms
-    if all(_canonical(a, ids) == _canonical(b, ids) for a, b in pairs):
+    slots = [({i.node: k for k, (i, _) in enumerate(m)}, {j.node: k for k, (_, j) in enumerate(m)}) for m in matched]
+    if all(_canonical(a, ids, sa) == _canonical(b, ids, sb) for (a, b), (sa, sb) in zip(pairs, slots)):
         return True
     if max(_elements(g.graph) for _, g in pairs) > NUMERIC_LIMIT or _elements(pairs[0][0].graph) > NUMERIC_LIMIT:
         return None
     return _same_numbers(original, mutant)
 
 
-def _same_inputs(a, b) -> bool:  # noqa: ANN001
-    return [(i.shape, i.dtype) for i in a.inputs] == [(i.shape, i.dtype) for i in b.inputs]
+def _matched_inputs(a, b) -> list[tuple] | None:  # noqa: ANN001 - two ImportedGraphs
+    """Their inputs in pairs, by name when both have the same names (a dump's lines reordered), else
+    by position; None when a pair differs in shape or dtype."""
+    by_name = {i.name: i for i in b.inputs}
+    same_names = len(by_name) == len(b.inputs) == len(a.inputs) and by_name.keys() == {i.name for i in a.inputs}
+    pairs = [(i, by_name[i.name]) for i in a.inputs] if same_names else list(zip(a.inputs, b.inputs))
+    if len(a.inputs) != len(b.inputs) or any((i.shape, i.dtype) != (j.shape, j.dtype) for i, j in pairs):
+        return None
+    return pairs
 
 
-def _canonical(imported, ids: dict[tuple, int]) -> tuple:  # noqa: ANN001 - an ImportedGraph
+def _canonical(imported, ids: dict[tuple, int], slot: dict[int, int]) -> tuple:  # noqa: ANN001 - an ImportedGraph
     """The outputs, and the collectives issued in order (a rank's calls other ranks must match,
-    used or not), as hash-consed ids of (op, attrs, shape, dtype, operands); inputs by position."""
-    position = {i.node: k for k, i in enumerate(imported.inputs)}
+    used or not), as hash-consed ids of (op, attrs, shape, dtype, operands); inputs by `slot`."""
     of: dict[int, int] = {}
     for node in imported.graph.nodes:
         operands = [of[i] for i in node.inputs]
         if node.op in _COMMUTATIVE:
             operands.sort()
-        attrs = ("input", position[node.id]) if node.id in position else repr(node.attrs)
+        attrs = ("input", slot[node.id]) if node.id in slot else repr(node.attrs)
         key = (node.op, attrs, node.shape, node.dtype, tuple(operands))
         of[node.id] = ids.setdefault(key, len(ids))
     collectives = tuple(of[n.id] for n in imported.graph.nodes if n.op in ("all_reduce", "all_gather", "reduce_scatter"))
@@ -365,7 +374,7 @@ def _elements(graph) -> int:  # noqa: ANN001
 
 
 def _same_numbers(original, mutant) -> bool:  # noqa: ANN001
-    """Both run on the same random inputs (bound by position) give the same outputs."""
+    """Both run on the same random inputs (bound by name, else by position) give the same outputs."""
     import torch
 
     from shardproof.importers.numeric import random_leaves
@@ -376,7 +385,7 @@ def _same_numbers(original, mutant) -> bool:  # noqa: ANN001
         leaves.update({k: v for k, v in random_leaves(rank_graph.graph).items() if k not in leaves})
     renamed = dict(leaves)
     for a, b in zip(original.graphs, mutant.graphs):
-        renamed.update({j.name: leaves[i.name] for i, j in zip(a.inputs, b.inputs)})
+        renamed.update({j.name: leaves[i.name] for i, j in _matched_inputs(a, b)})
     try:
         want = run_ranks([g.graph for g in original.graphs], leaves)
         got = run_ranks([g.graph for g in mutant.graphs], renamed)

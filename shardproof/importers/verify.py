@@ -81,6 +81,7 @@ def import_pair(
     dist = load_program(distributed, format or ref.format, "distributed")
     if ref.world_size != 1:
         raise CaseError(f"{reference}: the reference must run on one device, but its graph spans {ref.world_size} ranks")
+    _same_inputs_on_every_rank(dist)
     implied = implied_world_size(ref.graphs[0], dist.graphs[0])
     if dist.world_size == 1 and implied > 1:
         dist.on_ranks(implied)
@@ -89,6 +90,30 @@ def import_pair(
         pin(pairs, ref.graphs[0], relations)
     compared, checks = _outputs(ref.graphs[0], dist.graphs[0], dist.world_size)
     return ImportedPair(ref, dist, pairs, compared, checks, time.perf_counter() - start)
+
+
+def _same_inputs_on_every_rank(program: Program) -> None:
+    """The ranks' dumps of one program take the same inputs (names, shapes, dtypes, which are
+    constants): the layouts inferred from rank 0's are every rank's. A rank that differs is a
+    damaged or mismatched dump, refused by name."""
+    first = program.graphs[0]
+    expected = {i.name: i for i in first.inputs}
+    for graph in program.graphs[1:]:
+        found = {i.name: i for i in graph.inputs}
+        for name in sorted(expected.keys() | found.keys()):
+            a, b = expected.get(name), found.get(name)
+            if a is None or b is None or (a.shape, a.dtype, a.constant) != (b.shape, b.dtype, b.constant):
+                raise CaseError(
+                    f"{graph.path}: input `{name}` is {_input_text(b)} here but {_input_text(a)} in {first.path}; "
+                    "the ranks of one program take the same inputs"
+                )
+
+
+def _input_text(graph_input) -> str:  # noqa: ANN001 - a GraphInput or None
+    if graph_input is None:
+        return "absent"
+    kind = "a constant the dump does not show" if graph_input.constant else "an input"
+    return f"{kind} {graph_input.dtype}{list(graph_input.shape)}"
 
 
 def verify_graphs(

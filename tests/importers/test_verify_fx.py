@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from shardproof.cli import main
+from shardproof.errors import CaseError
 from shardproof.importers.verify import import_pair, verify_graphs
 from shardproof.prove import unproven_outputs
 from shardproof.relations.diagnose import Diagnoser
@@ -114,3 +115,25 @@ def test_the_layernorm_bug_leaves_only_the_sequence_parallel_gradients_unproven(
     assert [c.label for c in unproven] == SEQUENCE_PARALLEL_GRADIENTS
     partial = Diagnoser(run, captured.reference, captured.ranks).partial
     assert all(partial(run.ranks[g.rank][g.outputs[c.actual]]) for c in unproven for g in captured.ranks)
+
+
+RANK = """class G(torch.nn.Module):
+    def forward(self, x: "f32[2, 4]", w: "f32[4, {cols}]", b: "f32[{bias}]"):
+        mm: "f32[2, {cols}]" = torch.ops.aten.mm.default(x, w)
+        add: "f32[2, {cols}]" = torch.ops.aten.add.Tensor(mm, b)
+        return (add,)
+"""
+
+
+def test_ranks_that_take_other_inputs_than_rank_0_are_refused(tmp_path: Path) -> None:
+    """The inputs' layouts are inferred from rank 0 and applied to every rank: a rank dump whose
+    input differs (here `b`, though broadcasting still fits its use) is damaged, never proven."""
+    (tmp_path / "ref.py").write_text(RANK.format(cols=6, bias=6))
+    ranks = tmp_path / "tp2"
+    ranks.mkdir()
+    (ranks / "fw.g0.r0.py").write_text(RANK.format(cols=3, bias=3))
+    (ranks / "fw.g0.r1.py").write_text(RANK.format(cols=3, bias=3))
+    assert verify_graphs(tmp_path / "ref.py", ranks).verdict == "equivalent"  # the undamaged pair
+    (ranks / "fw.g0.r1.py").write_text(RANK.format(cols=3, bias=1))
+    with pytest.raises(CaseError, match=r"fw.g0.r1.py: input `b` is an input float32\[1\] here but an input float32\[3\] in .*fw.g0.r0.py"):
+        import_pair(tmp_path / "ref.py", ranks)
