@@ -175,7 +175,10 @@ class _Parser:
         if match is None or match["dtype"] not in DTYPES:
             raise self.fail(where, 'a tensor annotation like "f32[8, 16]"')
         dims = tuple(int(d) for d in match["dims"].split(",") if d.strip())
-        return torch.empty(dims, dtype=DTYPES[match["dtype"]], device="meta")
+        try:
+            return torch.empty(dims, dtype=DTYPES[match["dtype"]], device="meta")
+        except RuntimeError:  # more elements than an address can count
+            raise self.fail(where, "a tensor annotation of a size that fits in memory") from None
 
     def statement(self, st: ast.stmt) -> None:
         if isinstance(st, ast.AnnAssign) and st.value is None and isinstance(st.target, ast.Name):

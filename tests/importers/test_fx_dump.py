@@ -241,6 +241,7 @@ def test_tensor_constants_take_their_literal_or_become_inputs(tmp_path: Path) ->
         ('        y: "f32[3]" = numpy.negative(x)', "a call of a `torch.ops.<namespace>.<op>.<overload>` operator"),
         ('        y: "f32[3]" = torch.ops.aten.neg.default(z)', "a name defined earlier in the graph"),
         ("        for i in x: pass", "an assignment"),
+        ('        y: "f32[17677669529663687, 1152]" = torch.ops.aten.neg.default(x)', "a tensor annotation of a size that fits"),
     ],
 )
 def test_malformed_dump_names_file_line_and_expectation(tmp_path: Path, line: str, expected: str) -> None:
