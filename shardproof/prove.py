@@ -125,6 +125,7 @@ def _judged(
                 finding = _misshapen(diagnoser, reference, ranks, check, unproven) or finding
             findings.append(_about(check, finding, named=len(checks) > 1))
     findings.sort(key=lambda f: f.verdict != "discrepancy")
+    notes.extend(sorted(run.rules.assumptions))
     return Proof(findings, len(run.rules.u), notes, calls, [c.label for c in checks[checked:]])
 
 

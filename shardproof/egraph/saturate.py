@@ -29,7 +29,7 @@ from egglog.bindings import EggSmolError, EGraph
 from shardproof.relations.rules import FLOAT_DTYPES
 from shardproof.relations.universe import Term, Universe
 
-ATOMS = {"leaf", "full", "const", "piece", "max_piece", "arg_piece"}
+ATOMS = {"leaf", "full", "const", "piece", "max_piece", "arg_piece", "top_piece"}
 LINEAR_OPS = {"sum", "slice", "view", "permute", "bcast", "repeat"}
 MATCH_LIMIT = 20_000  # back-off: a rule matching more often sits out, so growth stays bounded
 

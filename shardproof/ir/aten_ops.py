@@ -121,8 +121,8 @@ def _output_shape(op: str, attrs: Attrs, inputs: tuple[tuple[tuple[int, ...], st
 def reduced_dims(op: str, attrs: Attrs, rank: int) -> tuple[tuple[int, ...], bool]:
     """A reduction's reduced dims (sorted, non-negative) and its keepdim flag."""
     target = overload(op)
-    dims = _argument(target, attrs, "dim")
-    keepdim = bool(_argument(target, attrs, "keepdim") or False)
+    dims = argument(target, attrs, "dim")
+    keepdim = bool(argument(target, attrs, "keepdim") or False)
     if dims is None or dims == ():
         return tuple(range(rank)), keepdim
     dims = (dims,) if isinstance(dims, int) else dims
@@ -133,7 +133,7 @@ def _argument_index(target: Any, name: str) -> int | None:
     return next((i for i, a in enumerate(target._schema.arguments) if a.name == name), None)
 
 
-def _argument(target: Any, attrs: Attrs, name: str) -> Any:
+def argument(target: Any, attrs: Attrs, name: str) -> Any:
     """The value of argument `name` in a template: positional, keyword, or the schema's default."""
     args, kwargs, _ = attrs
     index = _argument_index(target, name)

@@ -92,7 +92,7 @@ def _construct(r: Rules, t: int, args: tuple[int, ...]) -> int:
         return r.lin(list(zip(args, attrs[0])))
     if op == "piece":
         return r.piece(args[0], *attrs)
-    if op in ("max_piece", "arg_piece"):
+    if op in ("max_piece", "arg_piece", "top_piece"):
         return getattr(r, op)(args[0], *attrs)
     if op == "slice":
         return r.slice(args[0], attrs[0])

@@ -53,7 +53,7 @@ def _one(universe: Universe, t: int, value, leaves: dict[str, torch.Tensor]) -> 
         else:
             raise NotImplementedError(f"const spec `{attrs[0]}`")
         return flat.reshape(shape)
-    if op in ("piece", "max_piece", "arg_piece"):
+    if op in ("piece", "max_piece", "arg_piece", "top_piece"):
         raise NotImplementedError(
             f"a `{op}` is one part of a sum (or max) split over ranks; it has no value on its own "
             "(only pieces tiling the whole range combined do, and that normalizes to the whole)"

@@ -176,7 +176,7 @@ def _lin(u: Universe, term: Any, args: list) -> tuple[str, int]:
 
 def _piece(u: Universe, term: Any, args: list) -> tuple[str, int]:
     """One rank's share of a sum (or max) over ranks: the rest of the sum is on the other ranks."""
-    kind = {"piece": "Partial(sum)", "max_piece": "Partial(max)", "arg_piece": "Partial(argmax)"}[term.op]
+    kind = {"piece": "Partial(sum)", "max_piece": "Partial(max)", "arg_piece": "Partial(argmax)", "top_piece": "Partial(topk)"}[term.op]
     _, lo, hi, size = term.attrs
     return f"{kind} share {lo}:{hi} of {size} of {_wrapped(args[0], ATOM)}", SUM
 
@@ -199,6 +199,7 @@ _FORMS = {
     "piece": _piece,
     "max_piece": _piece,
     "arg_piece": _piece,
+    "top_piece": _piece,
     "neg": lambda u, term, args: (f"-{_wrapped(args[0], ATOM)}", PRODUCT),
     "pow": lambda u, term, args: (f"{_wrapped(args[0], ATOM)} ** {_attr(term.attrs[0])}", PRODUCT),
     "sum": lambda u, term, args: (f"{_wrapped(args[0], ATOM)}.sum({_dims(term.attrs)})", ATOM),

@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from shardproof.relations.rules import Rules
 
 
-PIECES = {"piece", "max_piece", "arg_piece"}  # one rank's part of a sum (or max, or its position) over ranks
+PIECES = {"piece", "max_piece", "arg_piece", "top_piece"}  # one rank's part of a sum (or max, its position, a top k) over ranks
 STRUCTURAL = {"slice", "cat", "bcast", "repeat", "lin", "full", "const", *PIECES}
 LAYOUT_OPS = {"view", "permute", "slice", "expand", "convert", "cat"}
 LAYOUT_TERMS = {"view", "permute", "slice", "bcast", "repeat"}  # normal-form terms that only move elements

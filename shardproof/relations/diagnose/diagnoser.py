@@ -52,7 +52,7 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
     def partial_kind(self, terms: list[int]) -> str:
         """How to name the unreduced value: a partial max when only max pieces are held."""
         held = set().union(*(self.unreduced(t) for t in terms))
-        return "partial max" if {op for op, _ in held} <= {"max_piece", "arg_piece"} else "partial sum"
+        return "partial max" if {op for op, _ in held} <= {"max_piece", "arg_piece", "top_piece"} else "partial sum"
 
     def unreduced(self, t: int) -> set[tuple]:
         """The pieces (kind, axis and range) that `t` holds without their sum (or max) over ranks."""

@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 from shardproof.ir.ops import OPS
 from shardproof.relations.layout import Box, box_along
-from shardproof.relations.rules import elementwise, lookups, masks, one_hot, products, reductions
+from shardproof.relations.rules import elementwise, lookups, masks, one_hot, products, reductions, topk
 from shardproof.relations.rules.linear import LinearRules
 from shardproof.relations.rules.regions import RegionRules
 from shardproof.relations.rules.values import FLOAT_DTYPES, intended, real
@@ -25,6 +25,7 @@ class Rules(RegionRules, ViewRules, LinearRules):
         self.reference_boxes: dict[int, set[Box]] = {}  # root -> boxes the reference sliced it to
         self.reference_one_hots: dict[tuple[int, int], set[int]] = {}  # (dim, index) -> widths the reference wrote
         self._built: dict[tuple, int] = {}  # (op, args, attrs, shape, dtype) -> term
+        self.assumptions: set[str] = set()  # what a proof using these terms takes for granted (in words)
 
     def in_reference(self, t: int) -> bool:
         """Where two normal forms are both true, rules prefer the one the reference built."""
@@ -105,6 +106,7 @@ _BY_OP: dict[str, Callable[..., int]] = {
     "log": reductions.log,
     "exp": reductions.exp,
     "log_softmax": reductions.log_softmax,
+    topk.TOPK: topk.topk,
     **{op: lambda r, args, attrs, shape, dtype, op=op: masks.logical(r, op, args, attrs, shape, dtype) for op in ("logical_and", "logical_or", "logical_not")},
 }
 _BY_KIND: dict[str, Callable[..., int]] = {

@@ -1,6 +1,6 @@
 """Linear structure: the constructors of linear combinations (`lin`), of pieces of a sum split over
 ranks (`piece`), of a max split over ranks (`max_piece`, `maximum`) and of its position
-(`arg_piece`). A part of `Rules`: it
+(`arg_piece`), of a top k split over ranks (`top_piece`). A part of `Rules`: it
 reaches the layout constructors through `self`.
 """
 
@@ -110,6 +110,15 @@ class LinearRules:
         term = self.u[full]
         return self.literal("arg_piece", (full,), (axis, lo, hi, size), term.shape, term.dtype)
 
+    def top_piece(self, full: int, axis: Any, lo: int, hi: int, size: int) -> int:
+        """The top k (values, or positions along the whole axis) over the indices [lo, hi) of
+        `axis` only, where `full` is that output of the top k over the whole axis: one rank's top k
+        over its shard. Ranks' pieces combine by a top k of their candidates (see `rules.topk`)."""
+        if (lo, hi) == (0, size):
+            return full
+        term = self.u[full]
+        return self.literal("top_piece", (full,), (axis, lo, hi, size), term.shape, term.dtype)
+
     def maximum(self, parts: list[int]) -> int:
         """The elementwise max of `parts` (a MAX all-reduce): equal terms collapse, and max pieces
         whose ranges tile their axis are the max over the whole axis."""
@@ -132,7 +141,7 @@ class LinearRules:
     def _map_parts(self, x: int, f: Callable[[int], int], shape: tuple[int, ...]) -> int:
         """Apply a layout map (it moves elements) through lin and the pieces."""
         term = self.u[x]
-        if term.op in ("max_piece", "arg_piece"):
+        if term.op in ("max_piece", "arg_piece", "top_piece"):
             return getattr(self, term.op)(f(term.args[0]), *term.attrs)
         return self._map_linear(x, f, shape)
 

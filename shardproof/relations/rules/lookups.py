@@ -12,6 +12,7 @@ from shardproof.relations.assume import rebuild
 from shardproof.relations.layout import Box
 from shardproof.relations.rules.elementwise import elementwise
 from shardproof.relations.rules.masks import assuming, outside_range
+from shardproof.relations.rules.topk import pick_of_top
 
 if TYPE_CHECKING:
     from shardproof.relations.rules.core import Rules
@@ -71,8 +72,8 @@ def gather(r: Rules, op: str, args, attrs, shape, dtype) -> int:
         placed = term.attrs[0]
         return r.bcast(r.slice(term.args[0], tuple((0, shape[d]) for d in placed)), shape, placed)
     moved = _gather_regions(r, x, index, dim, attrs, dtype)
-    if moved is None:
-        moved = _pick_of_largest_max(r, x, index, dim, shape)
+    for pick in (_pick_of_largest_max, pick_of_top):
+        moved = pick(r, x, index, dim, shape) if moved is None else moved
     return moved if moved is not None else r.literal(op, args, attrs, shape, dtype)
 
 

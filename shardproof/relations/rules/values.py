@@ -10,7 +10,7 @@ from typing import Any
 
 
 FLOAT_DTYPES = {"float16", "bfloat16", "float32", "float64"}
-PARTS = ("lin", "piece", "max_piece", "arg_piece")  # terms that layout ops map into: they move elements, so they
+PARTS = ("lin", "piece", "max_piece", "arg_piece", "top_piece")  # terms that layout ops map into: they move elements, so they
 # commute with summing ranks' values and with taking their max
 REAL = "float64"  # the dtype of every float term
 
