@@ -23,6 +23,7 @@ KIND_WORDS = {
     "double-reduction": "double reduction",
     "missing-backward": "missing backward step",
     "unwritten": "uninitialised memory read",
+    "too-few": "too few candidates",
 }
 
 

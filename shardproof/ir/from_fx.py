@@ -1408,6 +1408,7 @@ _LOWER: dict[str, Callable[..., Value]] = {
     "_c10d_functional.all_gather_into_tensor": _f_all_gather,
     "_c10d_functional.reduce_scatter_tensor": _f_reduce_scatter,
     "_c10d_functional.wait_tensor": _passthrough,
+    "_c10d_functional._wrap_tensor_autograd": _passthrough,  # funcol's autograd wrapper: the identity on values
 }
 _LOWER = {k: v for k, v in _LOWER.items() if v is not None}
 

@@ -61,8 +61,14 @@ def interval(r: Rules, t: int, known: dict[int, Interval]) -> Interval | None:
                 return None
             lo, hi = lo + min(c * bounds[0], c * bounds[1]), hi + max(c * bounds[0], c * bounds[1])
         return lo, hi
-    if term.op in ("maximum", "minimum"):
+    if term.op == "argmax":  # a position along the reduced dim
+        return Fraction(0), Fraction(r.shape(term.args[0])[term.attrs[0][0]] - 1)
+    if term.op == "arg_piece":  # a position in [lo, hi)
+        return Fraction(term.attrs[1]), Fraction(term.attrs[2] - 1)
+    if term.op in ("maximum", "minimum", "cat"):
         bounds = [interval(r, a, known) for a in term.args]
+        if term.op == "cat":
+            return (None if None in bounds else (min(b[0] for b in bounds), max(b[1] for b in bounds)))
         if None in bounds:
             return None
         pick = max if term.op == "maximum" else min

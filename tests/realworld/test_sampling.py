@@ -1,5 +1,5 @@
 """Inference engines' sampling over vocab-parallel logits and their writes of gathered shards into
-a preallocated buffer (tests/cases: greedy-argmax-*, logits-buffer-*), through the command line as
+a preallocated buffer (tests/cases: greedy-argmax-*, topk-*, logits-buffer-*), through the command line as
 a user runs it, at the smallest and the largest world size of the corpus: each buggy twin exits 1
 with its marked line first and its kind of fault named, each fixed twin exits 0; the numeric oracle
 agrees with both."""
@@ -17,8 +17,9 @@ from shardproof.cli import main
 from shardproof.oracle import run_numeric
 
 CASES = Path(__file__).parent.parent / "cases"
-IDS = ("greedy-argmax-offset", "greedy-argmax-off-by-one", "logits-buffer-unwritten")
-KIND_WORDS = {"layout": "wrong layout", "unwritten": "uninitialised memory read"}
+IDS = ("greedy-argmax-offset", "greedy-argmax-off-by-one", "greedy-argmax-funcol", "topk-offset", "topk-candidates-flat",
+       "topk-local-k", "logits-buffer-unwritten")
+KIND_WORDS = {"layout": "wrong layout", "unwritten": "uninitialised memory read", "too-few": "too few candidates"}
 
 
 def _marked(path: Path) -> tuple[int, str]:

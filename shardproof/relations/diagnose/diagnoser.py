@@ -10,6 +10,7 @@ from fractions import Fraction
 from shardproof.ir.graph import Graph, Node
 from shardproof.ir.ops import OPS
 from shardproof.relations.diagnose.agreement import LAYOUT_OPS, PIECES, grounded
+from shardproof.relations.diagnose.candidates import TopCandidates
 from shardproof.relations.diagnose.collectives import CollectiveFaults
 from shardproof.relations.diagnose.finding import Finding
 from shardproof.relations.diagnose.lookups import MaskedLookups
@@ -26,7 +27,7 @@ from shardproof.report.terms import describe, line_of, placement, value_name
 
 
 class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOperands, OverlappingShards, MaskedLookups,
-                LayoutFaults, RankChunks):
+                LayoutFaults, RankChunks, TopCandidates):
     def __init__(self, run: Execution, reference: Graph, ranks: list[Graph]):
         self.run = run
         self.r: Rules = run.rules
@@ -76,6 +77,7 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
                 or self._misaligned_contraction(rank, chain)
                 or self._mismatched_lookup_mask(rank, chain)
                 or self._misplaced_positions(rank, chain)
+                or self._too_few_candidates(rank, chain)
             )
             if found is not None:
                 return found

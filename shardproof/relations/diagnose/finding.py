@@ -25,6 +25,7 @@ KINDS = {
     "wrong reduce op": "a collective reduces with another op than the values need (MAX of shares of a sum, SUM of partial maxima)",
     "uninitialised memory read": "an op reads a buffer (torch.empty) that nothing wrote: a collective meant to fill it is missing",
     "missing backward step": "a forward line's backward computes nothing on a rank where the reference's does",
+    "too few candidates": "a rank keeps fewer than k of its shard's largest values before the top k over all ranks' candidates is taken",
     "unknown": "the proof did not go through and no fault was found: a rule may be missing",
 }
 

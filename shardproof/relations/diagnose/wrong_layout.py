@@ -10,6 +10,7 @@ from shardproof.ir.ops import OPS
 from shardproof.relations.diagnose.agreement import LAYOUT_OPS
 from shardproof.relations.diagnose.finding import Finding
 from shardproof.relations.layout import reshape_groups
+from shardproof.relations.rules.topk import POSITIONS, call_of
 from shardproof.report.terms import describe, line_of, region, value_name
 
 
@@ -38,14 +39,15 @@ class LayoutFaults:
         )
 
     def _misplaced_positions(self, rank: int, chain: list[Node]) -> Finding | None:
-        """Positions of a rank's maxes over its shard of an axis (an argmax over the shard plus an
-        offset) shifted by another offset than the shard's start, where they are gathered at the
-        argmax of the ranks' maxes (greedy sampling): found at the op that computes them before the
+        """Positions of a rank's largest values over its shard of an axis (an argmax or top k over
+        the shard plus an offset) shifted by another offset than the shard's start, where they are
+        gathered at the argmax of the ranks' maxes (greedy sampling) or the top k of their top
+        values (top-k sampling): found at the op that computes them before the
         collectives and layout ops that stack them. Every rank diverges at the pick; the shift may
         be on another (rank 0's shard starts at 0)."""
         for other in sorted(range(len(self.ranks)), key=lambda r: r != rank):
             graph, terms = self.ranks[other], self.run.ranks[other]
-            picks = [n for n in graph.ancestors(graph[chain[-1].id]) if n.op == "gather" and self._picks_by_argmax(other, n)]
+            picks = [n for n in graph.ancestors(graph[chain[-1].id]) if n.op == "gather" and self._picks_largest(other, n)]
             for node in sorted({source.id: source for pick in picks for source in self._stacked_from(other, pick)}.values(),
                                key=lambda n: n.id):
                 shift = self._position_shift(terms[node.id])
@@ -55,18 +57,21 @@ class LayoutFaults:
                         "discrepancy",
                         "wrong layout",
                         f"wrong layout: rank {other} holds dim {dim}'s indices [{lo}:{hi}) and adds {lo + by} to the positions "
-                        f"of its maxes, where its shard starts at {lo}: the picked positions are off by {by}",
+                        f"of its largest values, where its shard starts at {lo}: the picked positions are off by {by}",
                         [(other, node)],
                         fix=f"add the shard's start, {lo} on rank {other} (rank * its shard size), to {value_name(node)} at "
                             f"{line_of(node)}",
                     )
         return None
 
-    def _picks_by_argmax(self, rank: int, gather: Node) -> bool:
-        """Whether `gather` reads at the argmax of something (over a stack of one rank: position 0)."""
+    def _picks_largest(self, rank: int, gather: Node) -> bool:
+        """Whether `gather` reads at the argmax of something (over a stack of one rank: position 0)
+        or at the positions of a top k."""
         t = self.run.ranks[rank][gather.inputs[1]]
         index = self.r.u[t]
-        return "argmax" in (index.op, self.r.u[index.args[0]].op if index.args else None) or self.r.full_value(t) == 0
+        top = call_of(self.r, t)
+        return ("argmax" in (index.op, self.r.u[index.args[0]].op if index.args else None) or self.r.full_value(t) == 0
+                or (top is not None and top.path == POSITIONS))
 
     def _stacked_from(self, rank: int, gather: Node) -> list[Node]:
         """The ops whose values the table of `gather` stacks: reached through layout ops and
@@ -84,19 +89,21 @@ class LayoutFaults:
         return found
 
     def _position_shift(self, t: int) -> tuple[int, int, int, int] | None:
-        """(dim, lo, hi, k) if `t` is the position of the max over the indices [lo, hi) of dim (an
-        `arg_piece`, or an argmax over all of them) plus the constant k (nonzero), else None."""
+        """(dim, lo, hi, k) if `t` is the position of the max (or the top k) over the indices
+        [lo, hi) of dim (an `arg_piece` or `top_piece`, or an argmax or top k over all of them) plus
+        the constant k (nonzero), else None."""
         term = self.r.u[t]
         if term.op != "lin" or len(term.args) != 2:
             return None
         (position, _), (one, shift) = sorted(zip(term.args, term.attrs[0]), key=lambda pair: self.r.full_value(pair[0]) is not None)
         found = self.r.u[position]
-        if self.r.full_value(one) != 1 or found.op not in ("arg_piece", "argmax"):
+        top = call_of(self.r, position)
+        if self.r.full_value(one) != 1 or (found.op not in ("arg_piece", "top_piece", "argmax") and top is None):
             return None
-        if found.op == "arg_piece":
+        if found.op in ("arg_piece", "top_piece"):
             (_, dim, _), lo, hi, _ = found.attrs
             return dim, lo, hi, shift
-        (dim,), _ = found.attrs
+        dim = top.dim if top is not None else found.attrs[0][0]
         return dim, 0, self.r.shape(found.args[0])[dim], shift
 
     def _mixing_reshape(self, rank: int, chain: list[Node]) -> Finding | None:

@@ -107,6 +107,7 @@ _BY_OP: dict[str, Callable[..., int]] = {
     "exp": reductions.exp,
     "log_softmax": reductions.log_softmax,
     topk.TOPK: topk.topk,
+    "aten.remainder.Scalar": lambda r, args, attrs, shape, dtype: elementwise.remainder(r, "aten.remainder.Scalar", args, attrs, shape, dtype),
     **{op: lambda r, args, attrs, shape, dtype, op=op: masks.logical(r, op, args, attrs, shape, dtype) for op in ("logical_and", "logical_or", "logical_not")},
 }
 _BY_KIND: dict[str, Callable[..., int]] = {

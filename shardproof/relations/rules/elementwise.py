@@ -9,7 +9,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from shardproof.ir.aten_ops import argument, overload
 from shardproof.ir.ops import run_op
+from shardproof.relations.assume import interval
 from shardproof.relations.layout import box_along, box_shape
 from shardproof.relations.rules.regions import cat_bounds
 
@@ -99,3 +101,13 @@ def unary(r: Rules, op: str, args, attrs, shape, dtype) -> int:
 
 def add(r: Rules, args, attrs, shape, dtype) -> int:
     return r.lin([(args[0], Fraction(1)), (args[1], Fraction(1))])
+
+
+def remainder(r: Rules, op: str, args, attrs, shape, dtype) -> int:
+    """x % n is x where x lies in [0, n): torch.take_along_dim wraps its indices so, and an argmax's
+    positions lie there."""
+    divisor = argument(overload(op), attrs, "other")
+    bounds = interval(r, args[0], {})
+    if isinstance(divisor, int) and bounds is not None and bounds[0] >= 0 and bounds[1] < divisor:
+        return args[0]
+    return elementwise(r, op, args, attrs, shape, dtype)

@@ -76,7 +76,7 @@ class Part:
     """One rank's top candidates: torch.topk `call`'s output over the indices [lo, hi) of its axis."""
 
     call: Call
-    whole: int  # the term of the top k over the whole axis
+    term: int  # the part itself
     lo: int
     hi: int
     size: int
@@ -91,16 +91,22 @@ def candidates(r: Rules, t: int, dim: int) -> list[Part] | None:
     for p in joined:
         piece = r.u[p]
         whole = piece.args[0] if piece.op == "top_piece" else p
-        call = _call_of(r, whole)
+        call = call_of(r, whole)
         if call is None or call.dim != dim:
             return None
         size = r.shape(call.x)[dim]
         lo, hi = piece.attrs[1:3] if piece.op == "top_piece" else (0, size)
-        parts.append(Part(call, whole, lo, hi, size))
+        parts.append(Part(call, p, lo, hi, size))
     return parts
 
 
-def _call_of(r: Rules, t: int) -> Call | None:
+def short_parts(parts: list[Part], k: int) -> list[Part]:
+    """The parts holding fewer than k candidates of a range with more: the top k over the union
+    may take more from that range than the part kept."""
+    return [p for p in parts if p.call.k < min(k, p.hi - p.lo)]
+
+
+def call_of(r: Rules, t: int) -> Call | None:
     term = r.u[t]
     if term.op != TOPK:
         return None
@@ -116,7 +122,7 @@ def _top_of(r: Rules, parts: list[Part], call: Call, shape, dtype, path: tuple[i
         return None
     if any(a.hi != b.lo for a, b in zip(parts, parts[1:])):
         return None
-    if any(p.call.k < min(call.k, p.hi - p.lo) for p in parts):
+    if short_parts(parts, call.k):
         return None
     whole = r.build(TOPK, (first.call.x,), Call(first.call.x, call.k, call.dim, True, True, path).attrs(), shape, dtype)
     return r.top_piece(whole, ("topk", call.dim, first.call.x), first.lo, parts[-1].hi, first.size)
@@ -126,7 +132,7 @@ def pick_of_top(r: Rules, x: int, index: int, dim: int, shape: tuple[int, ...]) 
     """gather(P, dim, topk(V, k, dim).indices), where V joins the ranks' top values over their
     shards of an axis and P their positions (shifted to the whole axis) from the same topk calls:
     the positions of the top k over the union of the shards, where the top k values are distinct."""
-    chosen = _call_of(r, index)
+    chosen = call_of(r, index)
     if chosen is None or chosen.path != POSITIONS or chosen.dim != dim or not (chosen.largest and chosen.sorted):
         return None
     values, positions = candidates(r, chosen.x, dim), candidates(r, x, dim)
