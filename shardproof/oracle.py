@@ -137,7 +137,10 @@ def judge(reference: ReferenceRun, runs: list[tuple[list[torch.Tensor], Trained]
 class _RealFloats(TorchDispatchMode):
     """Every float dtype a program asks for is float64: the prover reads casts between float types
     as the identity (equivalence over the reals), so a bf16 model with fp32 master weights is
-    judged by its arithmetic, not by its rounding."""
+    judged by its arithmetic, not by its rounding. Float memory allocated without values
+    (`torch.empty`) holds NaN, as torch's deterministic mode fills it: a read of what nothing wrote
+    shows, instead of whatever the allocator left there (often the very values the reference
+    just freed)."""
 
     supports_higher_order_operators = True  # computed through their dense implementation (capture/hops)
 
@@ -146,7 +149,10 @@ class _RealFloats(TorchDispatchMode):
             return through_dense(self, func, args, kwargs or {})
         args = tuple(_real(a) for a in args)
         kwargs = {k: _real(v) for k, v in (kwargs or {}).items()}
-        return _IN_FLOAT64.get(func, func)(*args, **kwargs)
+        out = _IN_FLOAT64.get(func, func)(*args, **kwargs)
+        if func.overloadpacket in _UNINITIALISED and out.is_floating_point():
+            out.fill_(math.nan)
+        return out
 
 
 def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None = None, bias: torch.Tensor | None = None,
@@ -166,6 +172,9 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None = No
             out = torch.stack([a[:, g] @ b[g] for g in groups])
     return out if bias is None else out + bias
 
+
+_UNINITIALISED = {torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.new_empty, torch.ops.aten.empty_strided,
+                  torch.ops.aten.new_empty_strided}  # allocations without values
 
 # Ops torch computes only in lower precision, and their float64 implementation.
 _IN_FLOAT64 = {torch.ops.aten._grouped_mm.default: _grouped_mm}

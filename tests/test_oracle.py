@@ -184,6 +184,28 @@ def _loss_parallel_step(model: nn.Module, inputs: tuple, rank: int, n: int) -> t
     return loss
 
 
+class _EmptyIsNaN(nn.Module):
+    """The reference says 1 everywhere; a rank says where memory it allocated and never wrote is NaN."""
+
+    def __init__(self, distributed: bool):
+        super().__init__()
+        self.distributed = distributed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.distributed:
+            return torch.ones_like(x)
+        return torch.cat([torch.isnan(torch.empty_like(x)), torch.isnan(x.new_empty(x.shape))]).view(2, *x.shape).all(0).to(x.dtype)
+
+
+def test_memory_nothing_wrote_holds_nan_not_what_the_allocator_left() -> None:
+    """So a read of it never agrees by chance (the allocator may hand back a freed tensor's memory,
+    the reference's very values)."""
+    case = Case(reference=lambda: _EmptyIsNaN(False), distributed=lambda rank, n: _EmptyIsNaN(True),
+                inputs=lambda: (torch.randn(64, 16),))
+    result = run_numeric(case, 2)
+    assert result.agree, result.detail
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_loss_parallel_runs_on_every_rank_thread(world_size: int) -> None:
     """loss_parallel() installs process-wide handlers: one rank leaving it must not remove them
