@@ -18,11 +18,12 @@ class TopCandidates:
         for other in sorted(range(len(self.ranks)), key=lambda r: r != rank):
             graph, terms = self.ranks[other], self.run.ranks[other]
             ancestors = graph.ancestors(graph[chain[-1].id])
-            for node in ancestors:
-                call = call_of(self.r, terms[node.id]) if node.op == TOPK else None
+            tops = [n for n in ancestors if n.op == TOPK]
+            for node in tops:
+                call = call_of(self.r, terms[node.id])
                 parts = candidates(self.r, call.x, call.dim) if call is not None else None
-                short = {p.term: p for p in short_parts(parts or [], call.k if call else 0)}
-                kept = next((n for n in ancestors if n.op == TOPK and terms[n.id] in short), None)
+                short = {p.term: p for p in short_parts(parts or [], call.k)} if call is not None else {}
+                kept = next((n for n in tops if terms[n.id] in short), None) if short else None
                 if kept is not None:
                     part = short[terms[kept.id]]
                     return Finding(

@@ -98,6 +98,7 @@ class LayoutFaults:
         (position, _), (one, shift) = sorted(zip(term.args, term.attrs[0]), key=lambda pair: self.r.full_value(pair[0]) is not None)
         found = self.r.u[position]
         top = call_of(self.r, position)
+        top = top if top is not None and top.path == POSITIONS else None
         if self.r.full_value(one) != 1 or (found.op not in ("arg_piece", "top_piece", "argmax") and top is None):
             return None
         if found.op in ("arg_piece", "top_piece"):
