@@ -130,8 +130,7 @@ class _Parser:
                 self.check_item(node)
                 continue
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
-            unknown = any(n.meta.get("val") is None for n in node.all_input_nodes)
-            if not isinstance(node.target, torch._ops.OpOverload) or unknown:
+            if not isinstance(node.target, torch._ops.OpOverload) or None in _leaves(args, kwargs):
                 continue  # a kernel not loaded here, or an operand without a value: the lowering decides
             kwargs = {**kwargs, **({"device": "meta"} if "device" in kwargs else {})}
             try:
@@ -284,6 +283,10 @@ class _Parser:
         primals = [n.meta["dump_name"] for n in self.graph.nodes if n.op == "placeholder" and n.meta["dump_name"].startswith("primals")]
         start = outputs - len(primals)
         return {start + k: name for k, name in enumerate(primals)} if start >= 0 else {}
+
+
+def _leaves(*values: Any) -> list[Any]:
+    return [x for v in values for x in (_leaves(*(v.values() if isinstance(v, dict) else v)) if isinstance(v, (list, tuple, dict)) else [v])]
 
 
 def _short(target: Any) -> str:
