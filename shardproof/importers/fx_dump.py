@@ -64,7 +64,11 @@ def _parse(path: str) -> tuple[fx.Graph, list[str]]:
 
 
 def _collectives(graph: fx.Graph) -> list[fx.Node]:
-    return [n for n in graph.nodes if n.op == "call_function" and str(n.target).startswith(("_c10d_functional.", "vllm.all_reduce"))]
+    return [n for n in graph.nodes if _collective(n)]
+
+
+def _collective(node: fx.Node) -> bool:
+    return node.op == "call_function" and str(node.target).startswith(("_c10d_functional.", "vllm.all_reduce"))
 
 
 def _group_names(graph: fx.Graph) -> set[str]:
@@ -130,8 +134,9 @@ class _Parser:
                 self.check_item(node)
                 continue
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
-            if not isinstance(node.target, torch._ops.OpOverload) or None in _leaves(args, kwargs):
-                continue  # a kernel not loaded here, or an operand without a value: the lowering decides
+            if not isinstance(node.target, torch._ops.OpOverload) or None in _leaves(args, kwargs) or _collective(node):
+                continue  # a kernel not loaded here, an operand without a value (the lowering decides), or a
+                # collective: torch resolves its group by a name no dump registers here
             kwargs = {**kwargs, **({"device": "meta"} if "device" in kwargs else {})}
             try:
                 computed = node.target(*args, **kwargs)

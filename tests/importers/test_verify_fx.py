@@ -6,6 +6,8 @@ made here (test_fx_dump.py)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -137,3 +139,14 @@ def test_ranks_that_take_other_inputs_than_rank_0_are_refused(tmp_path: Path) ->
     (ranks / "fw.g0.r1.py").write_text(RANK.format(cols=3, bias=1))
     with pytest.raises(CaseError, match=r"fw.g0.r1.py: input `b` is an input float32\[1\] here but an input float32\[3\] in .*fw.g0.r0.py"):
         import_pair(tmp_path / "ref.py", ranks)
+
+
+@needs_data
+@pytest.mark.slow
+def test_a_broadcast_over_a_named_group_imports_in_a_fresh_process() -> None:
+    """torch resolves a functional collective's group by name when run; a fresh process has none
+    registered (the suite's earlier tests may have), so collectives are not run on meta tensors."""
+    ref, dist = (str(ENTANGLE / p) for p in LAYERNORM_BUG)
+    done = subprocess.run([sys.executable, "-m", "shardproof", "verify-graphs", "--quiet", "--reference", ref, "--distributed", dist],
+                          capture_output=True, text=True)
+    assert done.returncode == 1 and done.stdout.startswith("discrepancy"), done.stderr
