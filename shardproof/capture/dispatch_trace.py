@@ -47,6 +47,7 @@ class NotPlain(Exception):
 
 
 Decompositions = dict[Any, Callable[..., Any]]  # aten op -> python function of smaller ops
+_PLAIN = (torch.Tensor, FakeTensor, torch.nn.Parameter)
 
 
 class Recorder(TorchDispatchMode):
@@ -69,7 +70,7 @@ class Recorder(TorchDispatchMode):
     def node_of(self, value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
             return value
-        if type(value) not in (torch.Tensor, FakeTensor, torch.nn.Parameter):
+        if type(value) not in _PLAIN:
             raise NotPlain(type(value).__name__)
         found = self.nodes.get(id(value))
         if found is not None and found[0] is value:
@@ -98,6 +99,8 @@ class Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if any(t not in _PLAIN for t in types):  # a subclass (DTensor) runs its ops on the tensors it holds
+            return NotImplemented
         if is_higher_order(func):
             return through_dense(self, func, args, kwargs)
         decomposed = self.decompositions.get(func)
@@ -108,7 +111,7 @@ class Recorder(TorchDispatchMode):
             return func(*args, **kwargs)
         node = self.graph.call_function(func, self.nodes_in(args), self.nodes_in(kwargs))
         self.created.append(node)
-        out = func(*args, **kwargs)
+        out = func(*args, **_kept_on_meta(func, args, kwargs))
         node.meta["val"] = out
         where = self.where()
         if where:
@@ -143,6 +146,19 @@ class Recorder(TorchDispatchMode):
                 wrapper = wrapper or found
             frame = frame.f_back
         return wrapper
+
+
+def _kept_on_meta(func: Any, args: tuple, kwargs: dict) -> dict:
+    """A copy of a meta tensor to another device (a loader's `.to(device)`) made on meta: its
+    value is all the recording needs, and meta tensors have no data to copy (the op is recorded
+    as called)."""
+    device = kwargs.get("device")
+    if func is not _TO_COPY or device is None or not args or args[0].device.type != "meta":
+        return kwargs
+    return {**kwargs, "device": torch.device("meta")}
+
+
+_TO_COPY = torch.ops.aten._to_copy.default
 
 
 @functools.lru_cache(maxsize=None)

@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import types
 from typing import Any, Hashable
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten
 
 from shardproof.ir.rank_expr import RankExpr
@@ -76,10 +78,18 @@ def value_key(value: Any, depth: int = 0) -> Hashable:
     return ("id", id(value))
 
 
-def tensor_key(tensor: torch.Tensor) -> Hashable | None:
-    """Everything about a tensor that can change the ops traced on it; None for subclasses."""
+def tensor_key(tensor: torch.Tensor, distributed: bool = False) -> Hashable | None:
+    """Everything about a tensor that can change the ops traced on it; None for subclasses, but
+    for a DTensor where `distributed` (see `read_tensor`)."""
+    if type(tensor) is DTensor and distributed:
+        spec = tensor._spec
+        return ("dtensor", id(spec.mesh), tuple(spec.placements), _plain_key(tensor), _plain_key(tensor._local_tensor))
     if type(tensor) not in _PLAIN_TENSORS:
         return None
+    return _plain_key(tensor)
+
+
+def _plain_key(tensor: torch.Tensor) -> Hashable:
     return (
         tuple(tensor.shape),
         tuple(tensor.stride()),
@@ -88,6 +98,12 @@ def tensor_key(tensor: torch.Tensor) -> Hashable | None:
         tensor.device.type,
         tensor.requires_grad,
     )
+
+
+def read_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The plain tensor a call's ops read: a DTensor's ops run on its local tensor (under DTensor's
+    dispatch, which its mesh, placements and global metadata decide: all in its key)."""
+    return tensor._local_tensor if type(tensor) is DTensor else tensor
 
 
 def module_key(module: nn.Module, known: dict[int, Hashable] | None = None) -> Hashable | None:
@@ -108,7 +124,7 @@ def _module_key(module: nn.Module, known: dict[int, Hashable] | None) -> Hashabl
     for name, value in vars(module).items():
         if name in _MODULE_INTERNALS or (name == "forward" and hasattr(value, WRAPPED)):
             continue
-        attrs.append((name, value_key(value)))
+        attrs.append((name, _attribute_key(value, module)))
     children = []
     for name, child in module.named_children():
         key = module_key(child, known)
@@ -118,11 +134,33 @@ def _module_key(module: nn.Module, known: dict[int, Hashable] | None) -> Hashabl
     return (type(module), tuple(attrs), tuple(children))
 
 
-def call_key(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Hashable, list[torch.Tensor]] | None:
+def _attribute_key(value: Any, owner: nn.Module) -> Hashable:
+    """A module attribute's key; a function (an instance-level `forward` a framework installed, a
+    closure over its module) by its code and what it closes over, the module itself by position:
+    two modules' closures of one code over equal values run the same ops."""
+    if isinstance(value, types.MethodType) and value.__self__ is owner:
+        return ("own method", value.__func__)
+    if not isinstance(value, types.FunctionType):
+        return value_key(value)
+    cells = []
+    for cell in value.__closure__ or ():
+        try:
+            held = cell.cell_contents
+        except ValueError:  # not yet assigned
+            held = _UNSET
+        cells.append(("owner",) if held is owner else _attribute_key(held, owner) if callable(held) else value_key(held))
+    return ("function", value.__code__, tuple(cells), value_key(value.__defaults__), value_key(value.__kwdefaults__))
+
+
+def call_key(
+    module: nn.Module, args: tuple, kwargs: dict, distributed: bool = False
+) -> tuple[Hashable, list[torch.Tensor]] | None:
     """(key, flat tensors the call reads) for a call of `module`, or None if no copy may stand in for it.
 
     The flat tensors are the arguments' tensors in pytree order, then the module tree's state in
-    `module_state` order: a copy's graph is bound to them position by position."""
+    `module_state` order: a copy's graph is bound to them position by position. `distributed`:
+    DTensors are keyed too, and their local tensors are the ones read (a call recorded below
+    autograd: nothing differentiates through its copies)."""
     if any(_GLOBAL_HOOKS):
         return None
     structure = module_key(module)
@@ -133,10 +171,10 @@ def call_key(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Hashable, li
     flat, leaf_keys = [], []
     for leaf in [*leaves, *state.values()]:
         if isinstance(leaf, torch.Tensor):
-            meta = tensor_key(leaf)
+            meta = tensor_key(leaf, distributed)
             if meta is None:
                 return None
-            flat.append(leaf)
+            flat.append(read_tensor(leaf))
             leaf_keys.append(meta)
         else:
             leaf_keys.append(value_key(leaf))

@@ -153,7 +153,7 @@ class CallMemo:
         # not named `forward`: make_fx keeps `forward` frames in stack traces, and a source
         # location is the innermost kept frame outside torch: the user's, not this one
         def reused_or_traced(*args: Any, **kwargs: Any) -> Any:
-            found = call_key(module, args, kwargs)
+            found = call_key(module, args, kwargs, distributed=not self.gradients)
             if found is None or found[0][0] in self.excluded:
                 return original(*args, **kwargs)
             key, flat = found
