@@ -10,18 +10,20 @@ so the same lowering applies. Tensor subclasses (DTensor) raise NotPlain: trace 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import linecache
 import operator
 import sys
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode_temporarily
 from torch.utils._pytree import tree_flatten
 
 from shardproof.capture.hops import is_higher_order, through_dense
@@ -218,11 +220,30 @@ def _record(
         placeholder = graph.placeholder(f"arg{i}")
         placeholder.meta["val"] = tensor
         recorder.bind(tensor, placeholder)
-    with recorder:
+    with recorder, _metadata_unrecorded():
         outputs = fn(*inputs)
         flat, _ = tree_flatten(outputs)
         graph.output([recorder.node_of(t) for t in flat])
     return Traced(graph, root), flat
+
+
+@contextlib.contextmanager
+def _metadata_unrecorded() -> Iterator[None]:
+    """DTensor works out an op's global output metadata by running it on empty tensors of the
+    global shapes: no part of the program (make_fx is kept out of it by torch itself)."""
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def propagate(self: ShardingPropagator, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(_get_current_dispatch_mode(), Recorder):
+            return original(self, *args, **kwargs)
+        with _pop_mode_temporarily():
+            return original(self, *args, **kwargs)
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = propagate
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original
 
 
 def chain(first: Traced, then: fx.GraphModule) -> Traced:

@@ -51,6 +51,18 @@ def test_light_tracer_records_what_make_fx_traces(path: str, monkeypatch: pytest
     assert light == _graphs(path, memo=False)
 
 
+def test_dtensor_programs_recorded_on_their_local_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DTensor's own scalar constants (its embedding's masking fill) are located at the user's
+    line by the light tracer and nowhere by make_fx; everything else is the same."""
+
+    def unlocated_constants(graphs: list[list[tuple]]) -> list[list[tuple]]:
+        return [[row[:-1] + (None,) if row[0] == "const" else row for row in g] for g in graphs]
+
+    light = _graphs("examples/llama_dtensor.py", memo=False)
+    monkeypatch.setattr(torch_capture, "_recorded", lambda *args: None)
+    assert unlocated_constants(light) == unlocated_constants(_graphs("examples/llama_dtensor.py", memo=False))
+
+
 def test_memoized_calls_recorded_as_make_fx_traces_them(monkeypatch: pytest.MonkeyPatch) -> None:
     light = _graphs("examples/llama_tp.py", memo=True)
     monkeypatch.setattr(torch_capture, "_recorded", lambda *args: None)

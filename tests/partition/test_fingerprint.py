@@ -99,3 +99,48 @@ def test_a_dataclass_field_never_set_is_part_of_its_key() -> None:
     assert value_key(some) == value_key(other)
     other.pp = 1
     assert value_key(some) != value_key(other)
+
+
+def _installed_forward(module: nn.Linear, gain: float) -> None:
+    """A framework's instance-level forward, a closure over its module (as transformers' TP plans install)."""
+    original = module.forward
+
+    def scaled(x: torch.Tensor) -> torch.Tensor:
+        return original(x) * gain
+
+    module.forward = scaled
+
+
+def test_instance_forwards_are_keyed_by_code_and_what_they_close_over() -> None:
+    twins = [nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)]
+    for linear, gain in zip(twins, (2.0, 2.0, 3.0)):
+        _installed_forward(linear, gain)
+    assert module_key(twins[0]) == module_key(twins[1])
+    assert module_key(twins[0]) != module_key(twins[2]), "a value closed over differs"
+    plain = nn.Linear(4, 4)
+    assert module_key(plain) != module_key(twins[0])
+
+
+def test_dtensors_are_keyed_by_placements_and_metadata_and_read_locally() -> None:
+    from torch.distributed.tensor import DTensor, Replicate, Shard, init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    torch.distributed.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        layer = Layer(Config(4, 1e-5))
+        x = torch.randn(2, 4)
+
+        def held(*placements: object) -> DTensor:
+            return DTensor.from_local(torch.randn(2, 4), mesh, list(placements), run_check=False)
+
+        layer.proj.weight = nn.Parameter(held(Shard(0)), requires_grad=False)
+        assert call_key(layer, (x,), {}) is None, "subclasses have no key unless distributed"
+        key, flat = call_key(layer, (x,), {}, distributed=True)
+        assert type(flat[1]) is torch.Tensor and flat[1] is layer.proj.weight._local_tensor
+        layer.proj.weight = nn.Parameter(held(Shard(0)), requires_grad=False)
+        assert call_key(layer, (x,), {}, distributed=True)[0] == key, "other values, same placements"
+        layer.proj.weight = nn.Parameter(held(Replicate()), requires_grad=False)
+        assert call_key(layer, (x,), {}, distributed=True)[0] != key
+    finally:
+        torch.distributed.destroy_process_group()
