@@ -1,21 +1,24 @@
 """When two module calls are interchangeable: they record the same ops, up to which tensors they read.
 
 Under fake tensors, the ops a module call records are a function of
-  1. the code that runs: the classes of the module and of every submodule (and any instance-level
-     `forward`); modules with hooks are never interchangeable (hooks are arbitrary code);
+  1. the code that runs: the classes of the module and of every submodule, and any instance-level
+     `forward` (a framework's wrapper: its code and what it closes over, its own module by
+     position); modules with hooks are never interchangeable (hooks are arbitrary code);
   2. the module tree's other state: every attribute that is not a parameter, buffer or submodule
      (sizes, flags, configs, `training`);
   3. the metadata of every tensor the call reads: its tensor arguments and the tree's parameters
      and buffers (shape, stride, storage offset, dtype, device, requires_grad), and which of them
-     are the very same tensor object;
+     are the very same tensor object; for a DTensor, in a call nothing differentiates through,
+     also its mesh (by identity) and placements: DTensor's dispatch depends on nothing else, and
+     the call reads its local tensor;
   4. its non-tensor arguments;
   5. ambient state: grad mode, inference mode, default dtype (in the key), and the process group,
      fixed for a whole trace (one key space per trace, so never shared between ranks).
 Two calls with equal keys record the same graph; a copy's graph is the first call's graph applied
 to the copy's tensors. Plain data (numbers, strings, tuples, lists, dicts, sets, dataclasses,
-enums, dtypes, devices) is compared by value; anything else (functions, other objects, plain
-tensor attributes, tensor subclasses such as DTensor) by identity or not at all, so two different
-objects never look alike: that only costs a memo miss.
+enums, dtypes, devices) is compared by value; anything else (other functions and objects, plain
+tensor attributes, other tensor subclasses) by identity or not at all, so two different objects
+never look alike: that only costs a memo miss.
 
 Not checkable, hence assumed: a forward does not read mutable state outside its module and
 arguments that changes from one call to the next (a global layer counter, say). What can be checked
