@@ -83,7 +83,10 @@ def value_key(value: Any, depth: int = 0) -> Hashable:
 
 def tensor_key(tensor: torch.Tensor, distributed: bool = False) -> Hashable | None:
     """Everything about a tensor that can change the ops traced on it; None for subclasses, but
-    for a DTensor where `distributed` (see `read_tensor`)."""
+    for a DTensor where `distributed` (see `read_tensor`); None for a tensor with hooks (arbitrary
+    code, as a module's: a gradient all-reduce a TP plan hangs on a replicated parameter)."""
+    if getattr(tensor, "_backward_hooks", None) or getattr(tensor, "_post_accumulate_grad_hooks", None):
+        return None
     if type(tensor) is DTensor and distributed:
         spec = tensor._spec
         return ("dtensor", id(spec.mesh), tuple(spec.placements), _plain_key(tensor), _plain_key(tensor._local_tensor))
@@ -140,7 +143,9 @@ def _module_key(module: nn.Module, known: dict[int, Hashable] | None) -> Hashabl
 def _attribute_key(value: Any, owner: nn.Module) -> Hashable:
     """A module attribute's key; a function (an instance-level `forward` a framework installed, a
     closure over its module) by its code and what it closes over, the module itself by position:
-    two modules' closures of one code over equal values run the same ops."""
+    two modules' closures of one code over equal values run the same ops. A mutable container
+    closed over is state a call may change (transformers' record of the parameters it hooked):
+    by identity."""
     if isinstance(value, types.MethodType) and value.__self__ is owner:
         return ("own method", value.__func__)
     if not isinstance(value, types.FunctionType):
@@ -151,7 +156,12 @@ def _attribute_key(value: Any, owner: nn.Module) -> Hashable:
             held = cell.cell_contents
         except ValueError:  # not yet assigned
             held = _UNSET
-        cells.append(("owner",) if held is owner else _attribute_key(held, owner) if callable(held) else value_key(held))
+        if held is owner:
+            cells.append(("owner",))
+        elif isinstance(held, (dict, list, set, bytearray)):  # the closure's own mutable state
+            cells.append(("id", id(held)))
+        else:
+            cells.append(_attribute_key(held, owner) if callable(held) else value_key(held))
     return ("function", value.__code__, tuple(cells), value_key(value.__defaults__), value_key(value.__kwdefaults__))
 
 

@@ -121,6 +121,23 @@ def test_instance_forwards_are_keyed_by_code_and_what_they_close_over() -> None:
     assert module_key(plain) != module_key(twins[0])
 
 
+def test_a_closure_over_its_own_mutable_state_is_keyed_by_that_state() -> None:
+    def install(module: nn.Linear) -> None:
+        hooked: dict[str, torch.Tensor] = {}
+        original = module.forward
+
+        def recording(x: torch.Tensor) -> torch.Tensor:
+            hooked.setdefault("weight", module.weight)
+            return original(x)
+
+        module.forward = recording
+
+    twins = [nn.Linear(4, 4), nn.Linear(4, 4)]
+    for linear in twins:
+        install(linear)
+    assert module_key(twins[0]) != module_key(twins[1]), "each closes over a dict of its own"
+
+
 def test_dtensors_are_keyed_by_placements_and_metadata_and_read_locally() -> None:
     from torch.distributed.tensor import DTensor, Replicate, Shard, init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -144,3 +161,9 @@ def test_dtensors_are_keyed_by_placements_and_metadata_and_read_locally() -> Non
         assert call_key(layer, (x,), {}, distributed=True)[0] != key
     finally:
         torch.distributed.destroy_process_group()
+
+
+def test_tensors_with_hooks_have_no_key() -> None:
+    layer = Layer(Config(4, 1e-5))
+    layer.proj.weight.requires_grad_(True).register_post_accumulate_grad_hook(lambda p: None)
+    assert call_key(layer, (torch.randn(2, 4),), {}) is None
