@@ -190,10 +190,10 @@ def record(
     code that meta tensors cannot run (a constant made on the cpu, say) runs again under fake
     mode, after `before_retry` (which undoes what the failed run left behind)."""
     if not on_meta:  # on twins still: autograd must not reach the inputs (nor fire their hooks)
-        return _record(fn, [_twin(t, t.device) for t in inputs], decompositions or {}, part)
+        return _record(fn, _twins(inputs, None), decompositions or {}, part)
     try:
         with unset_fake_temporarily():
-            twins = [_twin(t, "meta") for t in inputs]
+            twins = _twins(inputs, "meta")
             gm, outputs = _record(fn, twins, decompositions or {}, part)
         device = inputs[0].device if inputs else "cpu"
         return gm, [_twin(t, device) for t in outputs]
@@ -202,6 +202,13 @@ def record(
     except Exception:  # noqa: BLE001 - not meta-friendly code: record it on fake tensors
         before_retry()
         return _record(fn, inputs, decompositions or {}, part)
+
+
+def _twins(tensors: list[torch.Tensor], device: str | None) -> list[torch.Tensor]:
+    """Twins of the inputs (on `device`, None: each on its own), one per tensor: an input given
+    twice (a tied embedding and head in a state dict) stays one tensor, as make_fx sees it."""
+    made: dict[int, torch.Tensor] = {}
+    return [made.setdefault(id(t), _twin(t, device or t.device)) for t in tensors]
 
 
 def _twin(tensor: torch.Tensor, device: str | torch.device) -> torch.Tensor:

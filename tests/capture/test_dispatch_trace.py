@@ -104,3 +104,14 @@ def test_compiled_code_is_traced_as_the_eager_code_it_compiles(mode: str) -> Non
     case = Case(_Compiled, lambda rank, n: _Compiled(), lambda: (torch.randn(3, 4),), loss=lambda out, x: out.sum())
     assert verify(case, world_size=2, train=mode == "train").verdict == "equivalent"
     assert run_numeric(case, 2, mode=mode).agree
+
+
+def test_an_input_given_twice_stays_one_tensor() -> None:
+    """A tied embedding and head are one tensor under two names: both names read it alike."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        tied = torch.empty(4, 3)
+        traced, _ = record(lambda a, b: [a * 2 if a is b else a + b], [tied, tied])
+    ops = [n for n in traced.graph.nodes if n.op == "call_function"]
+    assert [n.target for n in ops] == [torch.ops.aten.mul.Tensor]
