@@ -67,6 +67,23 @@ def _collectives(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in graph.nodes if _collective(n)]
 
 
+def _collective_result(node: fx.Node, args: tuple) -> torch.Tensor | None:
+    """What a functional collective returns, as a meta tensor: its input's shape, dim 0 times the
+    group size for all_gather_into_tensor(x, size, group), divided by it for
+    reduce_scatter_tensor(x, op, size, group); None when the arguments do not say."""
+    x = args[0] if args else None
+    if not isinstance(x, torch.Tensor) or not x.dim():
+        return None
+    name, rows = str(node.target), x.shape[0]
+    if "all_gather_into_tensor" in name and isinstance(args[-2], int):
+        rows *= args[-2]
+    elif "reduce_scatter_tensor" in name and isinstance(args[-2], int) and args[-2] > 0 and rows % args[-2] == 0:
+        rows //= args[-2]
+    elif "all_gather" in name or "reduce_scatter" in name or "all_to_all" in name:
+        return None
+    return x.new_empty((rows, *x.shape[1:]))
+
+
 def _collective(node: fx.Node) -> bool:
     return node.op == "call_function" and str(node.target).startswith(("_c10d_functional.", "vllm.all_reduce"))
 
@@ -134,9 +151,11 @@ class _Parser:
                 self.check_item(node)
                 continue
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
-            if not isinstance(node.target, torch._ops.OpOverload) or None in _leaves(args, kwargs) or _collective(node):
-                continue  # a kernel not loaded here, an operand without a value (the lowering decides), or a
-                # collective: torch resolves its group by a name no dump registers here
+            if _collective(node):  # not run: torch resolves its group by a name no dump registers here
+                self.check_declared(node, _collective_result(node, args))
+                continue
+            if not isinstance(node.target, torch._ops.OpOverload) or None in _leaves(args, kwargs):
+                continue  # a kernel not loaded here, or an operand without a value: the lowering decides
             kwargs = {**kwargs, **({"device": "meta"} if "device" in kwargs else {})}
             try:
                 computed = node.target(*args, **kwargs)
@@ -158,6 +177,8 @@ class _Parser:
 
     def check_declared(self, node: fx.Node, computed: Any) -> None:
         declared = node.meta.get("val")
+        if computed is None:
+            return
         if declared is None:
             node.meta["val"] = computed
         elif not isinstance(computed, torch.Tensor) or (computed.shape, computed.dtype) != (declared.shape, declared.dtype):
