@@ -47,7 +47,10 @@ class LayoutFaults:
         be on another (rank 0's shard starts at 0)."""
         for other in sorted(range(len(self.ranks)), key=lambda r: r != rank):
             graph, terms = self.ranks[other], self.run.ranks[other]
-            picks = [n for n in graph.ancestors(graph[chain[-1].id]) if n.op == "gather" and self._picks_largest(other, n)]
+            end = chain[-1]
+            if end.id >= len(graph.nodes) or graph[end.id].op != end.op:
+                continue  # another rank's program is not this one's node for node (a constant changed in its dump)
+            picks = [n for n in graph.ancestors(graph[end.id]) if n.op == "gather" and self._picks_largest(other, n)]
             for node in sorted({source.id: source for pick in picks for source in self._stacked_from(other, pick)}.values(),
                                key=lambda n: n.id):
                 shift = self._position_shift(terms[node.id])
