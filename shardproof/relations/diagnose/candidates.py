@@ -16,9 +16,10 @@ class TopCandidates:
 
     def _too_few_candidates(self, rank: int, chain: list[Node]) -> Finding | None:
         for other in sorted(range(len(self.ranks)), key=lambda r: r != rank):
-            graph, terms = self.ranks[other], self.run.ranks[other]
-            ancestors = graph.ancestors(graph[chain[-1].id])
-            tops = [n for n in ancestors if n.op == TOPK]
+            graph, terms, end = self.ranks[other], self.run.ranks[other], self.counterpart(other, chain[-1])
+            if end is None:
+                continue
+            tops = [n for n in graph.ancestors(end) if n.op == TOPK]
             for node in tops:
                 call = call_of(self.r, terms[node.id])
                 parts = candidates(self.r, call.x, call.dim) if call is not None else None

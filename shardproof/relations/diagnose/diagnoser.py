@@ -40,6 +40,13 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
             if term.op == "lin":
                 self._ref_lins.setdefault(frozenset(term.args), t)
 
+    def counterpart(self, rank: int, node: Node) -> Node | None:
+        """`node` (of another rank's program) in `rank`'s program: the node of its id and op, if
+        there is one (programs imported from dumps need not match node for node)."""
+        graph = self.ranks[rank]
+        found = graph[node.id] if node.id < len(graph.nodes) else None
+        return found if found is not None and found.op == node.op else None
+
     # --- what counts as still agreeing -------------------------------------------------------
     def grounded(self, t: int) -> bool:
         return grounded(self.r, t, self._grounded)

@@ -46,11 +46,10 @@ class LayoutFaults:
         collectives and layout ops that stack them. Every rank diverges at the pick; the shift may
         be on another (rank 0's shard starts at 0)."""
         for other in sorted(range(len(self.ranks)), key=lambda r: r != rank):
-            graph, terms = self.ranks[other], self.run.ranks[other]
-            end = chain[-1]
-            if end.id >= len(graph.nodes) or graph[end.id].op != end.op:
-                continue  # another rank's program is not this one's node for node (a constant changed in its dump)
-            picks = [n for n in graph.ancestors(graph[end.id]) if n.op == "gather" and self._picks_largest(other, n)]
+            graph, terms, end = self.ranks[other], self.run.ranks[other], self.counterpart(other, chain[-1])
+            if end is None:
+                continue
+            picks = [n for n in graph.ancestors(end) if n.op == "gather" and self._picks_largest(other, n)]
             for node in sorted({source.id: source for pick in picks for source in self._stacked_from(other, pick)}.values(),
                                key=lambda n: n.id):
                 shift = self._position_shift(terms[node.id])
