@@ -18,6 +18,9 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+import torch.distributed.tensor._utils as dtensor_utils
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
@@ -55,17 +58,113 @@ def symbolic_rank(at: int, world_size: int) -> Iterator[tuple[RankExpr, set[Guar
         except ValueError:
             return -1
 
+    def at_rank_traced(init: Any) -> Any:
+        def init_at(mesh: DeviceMesh, *args: Any, **kwargs: Any) -> None:
+            _PROCESS_GROUP.rank = original
+            try:
+                init(mesh, *args, **kwargs)
+            finally:
+                _PROCESS_GROUP.rank = rank_in
+            _made_symbolic(mesh, symbol, world_size)
+
+        return init_at
+
+    global _world
     narrow, tensor_narrow = torch.narrow, torch.Tensor.narrow
+    mesh_init, split = DeviceMesh.__init__, Shard._select_split_tensor
+    shard_offsets = dtensor_utils._compute_local_shape_and_global_offset
     with recording() as guards, _RankArguments():
         _PROCESS_GROUP.rank = rank_in
         rank_expr.tensor_operation = _tensor_operation
         torch.narrow = torch.Tensor.narrow = _narrowing(narrow)
+        DeviceMesh.__init__ = at_rank_traced(mesh_init)
+        Shard._select_split_tensor = _placeholder_shard(split)
+        dtensor_utils._compute_local_shape_and_global_offset = _affine_in_rank(shard_offsets, symbol, world_size)
+        _world = (symbol, world_size)
         try:
             yield symbol, guards
         finally:
             _PROCESS_GROUP.rank = original
             rank_expr.tensor_operation = None
             torch.narrow, torch.Tensor.narrow = narrow, tensor_narrow
+            DeviceMesh.__init__, Shard._select_split_tensor = mesh_init, split
+            dtensor_utils._compute_local_shape_and_global_offset = shard_offsets
+            _world = None
+
+
+_world: tuple[RankExpr, int] | None = None  # the symbol and world size of the symbolic trace under way
+
+
+def group_used(ranks: tuple[int, ...]) -> None:
+    """A collective over `ranks` was recorded: in a symbolic trace, a group other than the whole
+    world (a mesh dim's group, made at the rank traced) holds at that rank alone (guarded)."""
+    if _world is not None and ranks != tuple(range(_world[1])):
+        _pin(_world[0])
+
+
+def _pin(symbol: RankExpr) -> None:
+    if symbol != symbol.value:  # records the guard `rank == value`
+        raise AssertionError("a rank symbol differs from its value at the rank traced")
+
+
+def _made_symbolic(mesh: DeviceMesh, symbol: RankExpr, world_size: int) -> None:
+    """A mesh built at the rank traced (torch's group code asks `rank in ranks` of every group:
+    each would be guarded) given the symbol. A mesh over the whole world in rank order with one
+    dim of more than one rank holds the rank as that dim's coordinate, 0 on the others, at every
+    rank alike; its groups are made at the rank traced, and a collective over one that is not the
+    whole world is guarded where recorded (`group_used`). Any other mesh holds at that rank alone."""
+    sizes = tuple(mesh.shape)
+    wide = [d for d, size in enumerate(sizes) if size > 1]
+    coordinate = tuple(symbol.value if d in wide else 0 for d in range(len(sizes)))
+    if (
+        len(wide) <= 1
+        and mesh.mesh.flatten().tolist() == list(range(world_size))
+        and mesh._rank == symbol.value
+        and tuple(mesh._coordinate_on_dim or ()) == coordinate
+    ):
+        mesh._rank = symbol
+        mesh._coordinate_on_dim = tuple(symbol if d in wide else 0 for d in range(len(sizes)))
+    else:
+        _pin(symbol)
+
+
+def _placeholder_shard(split: Any) -> Any:
+    """A shard of a meta tensor (a placeholder the checkpoint is loaded into) at a symbolic index:
+    shards of one shape are alike (no data) at every index, so no guard; else the index's."""
+
+    def select(self: Shard, tensor: torch.Tensor, num_chunks: int, index: Any, **kwargs: Any) -> torch.Tensor:
+        if not isinstance(index, RankExpr) or tensor.device.type != "meta":
+            return split(self, tensor, num_chunks, index, **kwargs)
+        each = [split(self, tensor, num_chunks, i, **kwargs) for i in range(num_chunks)]
+        if len({(t.shape, t.stride(), t.storage_offset() if not kwargs.get("clone", True) else 0) for t in each}) == 1:
+            return each[index.value]
+        return split(self, tensor, num_chunks, _pinned(index), **kwargs)
+
+    return select
+
+
+def _affine_in_rank(compute: Any, symbol: RankExpr, world_size: int) -> Any:
+    """DTensor's shard shape and offsets on a mesh given the symbol (`_made_symbolic`): worked out
+    at every rank, kept symbolic where the shape is the same at all and each offset is affine in
+    the rank (even shards), else taken at the rank traced (guarded)."""
+
+    def shape_and_offsets(global_shape: Any, mesh_shape: Any, coordinate: Any, placements: Any, *rest: Any) -> Any:
+        at = [coordinate(i) for i in range(len(mesh_shape))] if callable(coordinate) else coordinate
+        if at is None or not _mentions(list(at)):
+            return compute(global_shape, mesh_shape, coordinate, placements, *rest)
+        wide = [d for d, c in enumerate(at) if isinstance(c, RankExpr)]
+        if len(wide) != 1 or at[wide[0]] is not symbol:
+            return compute(global_shape, mesh_shape, _pinned(list(at)), placements, *rest)
+        each = [compute(global_shape, mesh_shape, [r if d in wide else c for d, c in enumerate(at)], placements, *rest)
+                for r in range(world_size)]
+        shape, offsets = each[0]
+        steps = [each[1][1][d] - offsets[d] if world_size > 1 else 0 for d in range(len(offsets))]
+        if not all(got == shape and all(o == offsets[d] + steps[d] * r for d, o in enumerate(off))
+                   for r, (got, off) in enumerate(each)):
+            return compute(global_shape, mesh_shape, _pinned(list(at)), placements, *rest)
+        return shape, tuple(offset + symbol * step if step else offset for offset, step in zip(offsets, steps))
+
+    return shape_and_offsets
 
 
 def _narrowing(narrow: Any) -> Any:

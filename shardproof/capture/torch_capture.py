@@ -29,7 +29,7 @@ from shardproof.capture.dispatch_trace import NotPlain, Traced, chain, record
 from shardproof.capture.hints import hint
 from shardproof.capture.locations import autograd_origins, every_user_frame, locator, raised_by_shardproof, user_frame
 from shardproof.capture.meshes import RealDeviceMeshes, distinct_meshes, real_shard_offsets
-from shardproof.capture.symbolic_rank import symbolic_rank
+from shardproof.capture.symbolic_rank import group_used, symbolic_rank
 from shardproof.case import Case
 from shardproof.errors import CaptureError, CaseError, InternalError, ShardproofError
 from shardproof.ir.from_fx import Lowerer
@@ -519,7 +519,9 @@ def _group_ranks(group: Any) -> tuple[int, ...]:
         pg = dist.ProcessGroup.unbox(group)
     else:
         pg = group
-    return tuple(dist.get_process_group_ranks(pg))
+    ranks = tuple(dist.get_process_group_ranks(pg))
+    group_used(ranks)
+    return ranks
 
 
 def _first_line(err: Exception) -> str:
