@@ -56,6 +56,25 @@ def test_one_trace_stands_for_every_rank_of_the_examples(example: str, world_siz
     assert_same_programs(symbolic, own)
 
 
+def test_one_trace_stands_for_every_rank_of_transformers_tp() -> None:
+    """A mesh made in the rank's program (a 4-D one with one wide dim, and its TP slice), DTensor
+    placeholders sharded at the symbolic coordinate, the loader's even shard offsets."""
+    integration = pytest.importorskip("shardproof.integrations.transformers")
+    found, symbolic, own = by_rank(integration.transformers_case(integration.tiny_config("llama"), world_size=4), 4)
+    assert found == 1
+    assert_same_programs(symbolic, own)
+
+
+def test_a_mesh_scattering_its_parameters_is_traced_at_each_rank() -> None:
+    """distribute_tensor's scatter (pad sizes indexed by the coordinate) pins the rank: each
+    class holds at its own rank alone, with that rank's program."""
+    found, symbolic, own = by_rank(load_case(EXAMPLES / "llama_dtensor.py"), 4)
+    assert found == 2
+    traced = [rank for rank, graph in enumerate(symbolic) if graph is not None]
+    assert traced == [0, 1]
+    assert_same_programs([symbolic[r] for r in traced], [own[r] for r in traced])
+
+
 def test_kv_heads_shared_by_ranks_are_floor_quotients_of_the_rank() -> None:
     case = load_case(EXAMPLES / "llama_tp.py")
     case.module.CONFIG = dataclasses.replace(case.module.CONFIG, n_heads=8, n_kv_heads=2)
