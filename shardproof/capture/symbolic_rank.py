@@ -129,11 +129,13 @@ def _made_symbolic(mesh: DeviceMesh, symbol: RankExpr, world_size: int) -> None:
 
 
 def _placeholder_shard(split: Any) -> Any:
-    """A shard of a meta tensor (a placeholder the checkpoint is loaded into) at a symbolic index:
-    shards of one shape are alike (no data) at every index, so no guard; else the index's."""
+    """A shard of a meta tensor made while the model is built (a placeholder the checkpoint is
+    loaded into) at a symbolic index: shards of one shape are alike (no data) at every index, so no
+    guard; else the index's. Not while recording: the light tracer runs the program itself on meta
+    tensors (a redistribute's local chunk there is the rank's data)."""
 
     def select(self: Shard, tensor: torch.Tensor, num_chunks: int, index: Any, **kwargs: Any) -> torch.Tensor:
-        if not isinstance(index, RankExpr) or tensor.device.type != "meta":
+        if not isinstance(index, RankExpr) or tensor.device.type != "meta" or isinstance(_get_current_dispatch_mode(), Recorder):
             return split(self, tensor, num_chunks, index, **kwargs)
         each = [split(self, tensor, num_chunks, i, **kwargs) for i in range(num_chunks)]
         if len({(t.shape, t.stride(), t.storage_offset() if not kwargs.get("clone", True) else 0) for t in each}) == 1:
