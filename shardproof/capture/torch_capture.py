@@ -32,6 +32,7 @@ from shardproof.capture.meshes import RealDeviceMeshes, distinct_meshes, real_sh
 from shardproof.capture.symbolic_rank import group_used, symbolic_rank
 from shardproof.case import Case
 from shardproof.errors import CaptureError, CaseError, InternalError, ShardproofError
+from shardproof.ir.decompose import OWN
 from shardproof.ir.from_fx import Lowerer
 from shardproof.ir.graph import BOUND_LEAF_PREFIX, Graph
 from shardproof.ir.rank_expr import RankExpr
@@ -327,8 +328,9 @@ _DECOMPOSED = get_decompositions([
 
 
 def _decompositions() -> dict:
-    """What is traced as smaller ops: the table above and Python custom ops (`capture/custom_ops`)."""
-    return {**_DECOMPOSED, **custom_ops.implementations()}
+    """What is traced as smaller ops: the table above, our own decompositions (`ir/decompose.OWN`)
+    and Python custom ops (`capture/custom_ops`)."""
+    return {**_DECOMPOSED, **OWN, **custom_ops.implementations()}
 
 
 def _trace(

@@ -6,6 +6,9 @@ asks here before keeping an op as an open op: the decomposition is traced once p
 argument signature on meta tensors, and its pieces are lowered like any other op (so a piece may
 be decomposed again, or be open). Pointwise ops are not decomposed: their tag already gives them
 the elementwise laws, and torch's references for them reach down to `prims`.
+
+`OWN` holds decompositions torch lacks, for ops whose meaning is plain torch code: capture traces
+them in their place too (`aten._grouped_mm`'s meta kernel refuses float32 on the CPU).
 """
 
 from __future__ import annotations
@@ -23,14 +26,58 @@ from torch.fx.experimental.proxy_tensor import make_fx
 Decomposition = Callable[..., Any]
 
 
+aten = torch.ops.aten
+
+
+def _grouped_mm(
+    mat_a: torch.Tensor,
+    mat_b: torch.Tensor,
+    offs: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> Any:
+    """`_grouped_mm` as one dense product per group, each masked to its group's range: `offs` are
+    the cumulative ends of the groups along the dim the 2-D operand is grouped by (its rows against
+    stacked matrices `mat_b`, the columns of `mat_b` against stacked `mat_a`, the contracted dim of
+    two 2-D operands, one output matrix per group). Rows past the last end come out zero. So an
+    expert's product is a plain matmul, and a rank's slice of an expert's weight a slice of it."""
+    if bias is not None:
+        return NotImplemented
+    if offs is None:  # stacked against stacked: a batched product
+        out = torch.matmul(mat_a, mat_b)
+    elif mat_a.dim() == 2 and mat_b.dim() == 3:  # rows of a grouped, group e against mat_b[e]
+        member = _in_group(offs, mat_a.shape[0]).unsqueeze(-1)  # [E, M, 1]
+        out = torch.where(member, torch.matmul(mat_a, mat_b), 0).sum(0)
+    elif mat_a.dim() == 3 and mat_b.dim() == 2:  # columns of b grouped, group e against mat_a[e]
+        member = _in_group(offs, mat_b.shape[1]).unsqueeze(1)  # [E, 1, N]
+        out = torch.where(member, torch.matmul(mat_a, mat_b), 0).sum(0)
+    else:  # both 2-D, the contracted dim grouped: group e's product of its columns of a, rows of b
+        member = _in_group(offs, mat_a.shape[1]).unsqueeze(1)  # [E, 1, K]
+        out = torch.matmul(torch.where(member, mat_a, 0), mat_b)
+    return out.to(out_dtype or mat_a.dtype)
+
+
+def _in_group(offs: torch.Tensor, size: int) -> torch.Tensor:
+    """[E, size] bool: index i lies in group e, offs[e-1] <= i < offs[e] (group 0 starts at 0)."""
+    index = torch.arange(size, device=offs.device)
+    ends = offs.unsqueeze(-1)
+    starts = torch.cat([torch.zeros_like(offs[:1]), offs[:-1]]).unsqueeze(-1)
+    return (index >= starts) & (index < ends)
+
+
+OWN: dict[Any, Decomposition] = {aten._grouped_mm.default: _grouped_mm}
+
+
 @functools.lru_cache(maxsize=1)
 def _tables() -> tuple[dict[Any, Decomposition], dict[Any, Decomposition]]:
     return core_aten_decompositions(), decomposition_table
 
 
 def decomposition_of(target: Any) -> Decomposition | None:
-    """Torch's decomposition of `target`: the core ATen set's first (made to reach core ops), then
-    any registered one; none for pointwise ops (see the module docstring)."""
+    """Our own decomposition of `target`, else torch's: the core ATen set's first (made to reach
+    core ops), then any registered one; none for pointwise ops (see the module docstring)."""
+    if target in OWN:
+        return OWN[target]
     core, every = _tables()
     if target in core:
         return core[target]
