@@ -38,7 +38,7 @@ from shardproof.ir.graph import BOUND_LEAF_PREFIX, Graph
 from shardproof.ir.rank_expr import RankExpr
 from shardproof.partition.module_calls import trace_with_memo
 from shardproof.partition.rank_classes import RankClass
-from shardproof.programs import Captured, Check
+from shardproof.programs import Captured
 from shardproof.report.progress import count
 from shardproof.state import module_state
 from shardproof.steps import Program, Trained, agreed, program_for
@@ -68,15 +68,12 @@ def capture(
     pool, see shardproof.partition.backends), yielding their graphs in rank order."""
     start = time.perf_counter()
     with _session(case, world_size, mode) as session:
-        progress("tracing reference")
-        reference = _trace_reference(session, memo)
+        # ranks bound to reference outputs need the reference first; else it is traced last, on
+        # meta tensors only if every rank was (see `_trace_reference`)
+        reference = _trace_reference(session, memo, progress) if session.program.bound else None
         bound = [_placeholder(reference, i) for i in session.program.bound]
-        ranks: list[Graph] = []
-        claims: list[list[Check]] = []  # per rank
-
-        def claimed(graph: Graph, trained: Trained) -> None:
-            ranks.append(graph)
-            claims.append(session.program.checks(len(reference.outputs), len(graph.outputs), trained))
+        ranks: list[tuple[Graph, Trained]] = []
+        claimed = ranks.append
 
         classes = _RankClasses(session, memo)
         elsewhere: dict[int, Graph] = {}  # graphs of ranks traced by workers
@@ -85,10 +82,10 @@ def capture(
             progress(f"tracing rank {rank}/{world_size}")
             graph = elsewhere.pop(rank, None) or classes.graph(rank)
             if graph is not None:  # workers trace forward programs only: no parameter claims
-                claimed(graph, Trained())
+                claimed((graph, Trained()))
             else:
                 traced = time.perf_counter()
-                claimed(*_trace_rank(session, rank, bound, memo))
+                claimed(_trace_rank(session, rank, bound, memo))
                 rest = None if asked else placement(time.perf_counter() - traced)
                 asked = True
                 if rest is not None:
@@ -96,7 +93,9 @@ def capture(
                     progress(f"tracing {len(uncovered)} ranks in workers")
                     elsewhere = dict(zip(uncovered, rest(uncovered)))
             count(progress, "ranks traced", rank + 1, world_size)
-    return Captured(reference, ranks, agreed(claims), time.perf_counter() - start)
+        reference = reference or _trace_reference(session, memo, progress)
+        claims = [session.program.checks(len(reference.outputs), len(graph.outputs), trained) for graph, trained in ranks]
+    return Captured(reference, [graph for graph, _ in ranks], agreed(claims), time.perf_counter() - start)
 
 
 def capture_ranks(case: Case, world_size: int, ranks: list[int], memo: bool = True) -> list[Graph]:
@@ -117,6 +116,7 @@ class _Session:
     tensors: list[torch.Tensor]  # the reference's state, then its inputs
     names: list[str]
     model_on_meta: bool  # `model` was built on meta tensors (see `_reference`)
+    ranks_off_meta: bool = False  # some rank was traced on fake tensors (see `_trace_reference`)
 
     def unpack(self, args: tuple) -> tuple[dict[str, torch.Tensor], tuple]:
         count = len(self.state_names)
@@ -189,20 +189,25 @@ def _fake_like(tensor: torch.Tensor) -> torch.Tensor:
     return fake.requires_grad_(tensor.requires_grad)
 
 
-def _trace_reference(session: _Session, memo: bool) -> Graph:
+def _trace_reference(session: _Session, memo: bool, progress: Callable[[str], None]) -> Graph:
     """The reference's graph; a model built on meta tensors is recorded by the light tracer alone,
-    and built again on fake tensors where that fails."""
+    and built again on fake tensors where that fails or where a rank was traced on fake tensors:
+    code reading its tensors' device would take another branch on meta tensors than on the CPU
+    the ranks' fake tensors report (transformers' MoE counts tokens per expert by dtype per device)."""
+    progress("tracing reference")
 
-    def trace(model: torch.nn.Module, light_only: bool) -> Graph:
+    def trace(model: torch.nn.Module, light_only: bool, on_meta: bool = True) -> Graph:
         def run_reference(*args: torch.Tensor) -> list[torch.Tensor]:
             return session.program.reference(model, *session.unpack(args))
 
         return _trace("the reference model", run_reference, session.tensors, session.names, [], None,
-                      model if memo else None, session.program, light_only=light_only)
+                      model if memo else None, session.program, light_only=light_only, on_meta=on_meta)
 
     with _process_group(0, 1):  # as it was built
         if not session.model_on_meta:
             return trace(session.model, light_only=False)
+        if session.ranks_off_meta:
+            return trace(_build_model("reference()", session.case.reference), light_only=False, on_meta=False)
         try:
             return trace(session.model, light_only=True)
         except (ShardproofError, InternalError, NotPlain):
@@ -225,7 +230,9 @@ def _trace_rank(session: _Session, rank: int, bound: list[torch.Tensor], memo: b
             try:
                 return _trace_loaded(session, rank, memo, on_meta=True), Trained()
             except (ShardproofError, InternalError, NotPlain):
+                session.ranks_off_meta = True
                 return _trace_loaded(session, rank, memo, on_meta=False), Trained()
+        session.ranks_off_meta = True
         model = _build_model(f"distributed({rank}, {world_size})", lambda: session.case.distributed(rank, world_size))
         runs: list[Trained] = []  # make_fx traces tensors only: the rest of a run's result is kept here
 
@@ -344,15 +351,17 @@ def _trace(
     program: Program,
     loader: Callable | None = None,
     light_only: bool = False,
+    on_meta: bool = True,
 ) -> Graph:
     """Trace `fn` (after `loader`, which maps the leaves to `fn`'s arguments) into IR; with `model`,
     its repeated submodules' calls are traced once. A program without gradients is recorded whole
     by the light tracer where it handles plain tensors only; otherwise the loader is, where it
-    can be, and make_fx traces the rest."""
+    can be, and make_fx traces the rest. `on_meta`: the light tracer may record on meta tensors
+    (see `dispatch_trace.record`)."""
 
     def trace(restart: Callable[[], None]) -> Traced | fx.GraphModule:
         whole = fn if loader is None else _after(loader, fn)
-        gm = None if program.differentiates else _recorded(what, whole, leaves, _give_up if light_only else restart)
+        gm = None if program.differentiates else _recorded(what, whole, leaves, _give_up if light_only else restart, on_meta)
         return gm or _loaded_then_fx(what, fn, leaves, loader)
 
     def lower(gm: Traced | fx.GraphModule, names: list[str], ops: list[str]) -> Graph:
@@ -398,12 +407,12 @@ def _loaded_then_fx(what: str, fn: Callable, leaves: list, loader: Callable | No
     return chain(loaded, _trace_fx(what, fn, arguments))
 
 
-def _recorded(what: str, fn: Callable, leaves: list, restart: Callable[[], None]) -> Traced | None:
+def _recorded(what: str, fn: Callable, leaves: list, restart: Callable[[], None], on_meta: bool) -> Traced | None:
     """A program without gradients, by the light tracer (~10x cheaper per op than make_fx: a
     126-layer model's calls and loader dominated capture); None where it handles tensor
     subclasses, after `restart`: make_fx traces those."""
     try:
-        return _failing_as_capture_error(f"tracing {what}", lambda: record(fn, leaves, restart, _decompositions())[0])
+        return _failing_as_capture_error(f"tracing {what}", lambda: record(fn, leaves, restart, _decompositions(), on_meta=on_meta)[0])
     except NotPlain:
         restart()
         return None

@@ -44,17 +44,23 @@ def _grouped_mm(
     if bias is not None:
         return NotImplemented
     if offs is None:  # stacked against stacked: a batched product
-        out = torch.matmul(mat_a, mat_b)
+        out = torch.bmm(mat_a, mat_b)
     elif mat_a.dim() == 2 and mat_b.dim() == 3:  # rows of a grouped, group e against mat_b[e]
         member = _in_group(offs, mat_a.shape[0]).unsqueeze(-1)  # [E, M, 1]
-        out = torch.where(member, torch.matmul(mat_a, mat_b), 0).sum(0)
+        out = torch.where(member, torch.bmm(_stacked(mat_a, len(offs)), mat_b), 0).sum(0)
     elif mat_a.dim() == 3 and mat_b.dim() == 2:  # columns of b grouped, group e against mat_a[e]
         member = _in_group(offs, mat_b.shape[1]).unsqueeze(1)  # [E, 1, N]
-        out = torch.where(member, torch.matmul(mat_a, mat_b), 0).sum(0)
+        out = torch.where(member, torch.bmm(mat_a, _stacked(mat_b, len(offs))), 0).sum(0)
     else:  # both 2-D, the contracted dim grouped: group e's product of its columns of a, rows of b
         member = _in_group(offs, mat_a.shape[1]).unsqueeze(1)  # [E, 1, K]
-        out = torch.matmul(torch.where(member, mat_a, 0), mat_b)
+        out = torch.bmm(torch.where(member, mat_a, 0), _stacked(mat_b, len(offs)))
     return out.to(out_dtype or mat_a.dtype)
+
+
+def _stacked(matrix: torch.Tensor, groups: int) -> torch.Tensor:
+    """The matrix once per group, as an explicit broadcast (a bmm operand, traced alike by every
+    tracer; `matmul` folds or expands its broadcast by tracer)."""
+    return matrix.expand(groups, *matrix.shape)
 
 
 def _in_group(offs: torch.Tensor, size: int) -> torch.Tensor:

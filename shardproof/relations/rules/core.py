@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 from shardproof.ir.ops import OPS
 from shardproof.relations.layout import Box, box_along
-from shardproof.relations.rules import elementwise, lookups, masks, one_hot, products, reductions, topk
+from shardproof.relations.rules import elementwise, lookups, masks, one_hot, open_linear, products, reductions, topk
 from shardproof.relations.rules.linear import LinearRules
 from shardproof.relations.rules.regions import RegionRules
 from shardproof.relations.rules.values import FLOAT_DTYPES, intended, real
@@ -127,5 +127,5 @@ _BY_KIND: dict[str, Callable[..., int]] = {
     "pointwise": elementwise.elementwise,
     "reduction": reductions.open_reduction,
     "leading": reductions.leading,
-    "opaque": lambda r, op, args, attrs, shape, dtype: r.literal(op, args, attrs, shape, dtype),  # congruence
+    "opaque": open_linear.opaque,  # congruence, and linearity by DTensor's strategies
 }

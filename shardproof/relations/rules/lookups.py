@@ -32,7 +32,7 @@ def embedding(r: Rules, op: str, args, attrs, shape, dtype) -> int:
 
 
 def where(r: Rules, op: str, args, attrs, shape, dtype) -> int:
-    cond, when_true, when_false = args
+    cond, when_true, when_false = (args[0], *(_promoted(r, a, dtype) for a in args[1:]))
     known = r.full_value(cond)
     if isinstance(known, bool):
         return when_true if known else when_false
@@ -42,6 +42,10 @@ def where(r: Rules, op: str, args, attrs, shape, dtype) -> int:
     chosen = r.full_value(cond)
     if chosen is not None:
         return when_true if chosen else when_false
+    for value, zero in ((when_true, when_false), (when_false, when_true)):
+        if r.full_value(zero) == 0 and r.op(value) in ("lin", "piece"):  # linear in the kept value
+            branches = (lambda t: (t, zero)) if value == when_true else (lambda t: (zero, t))
+            return r._map_linear(value, lambda t: r.build(op, (cond, *branches(t)), attrs, shape, dtype), shape)
     masked = _masked_lookup(r, cond, when_true, when_false)
     if masked is None and r.full_value(when_false) == 0:
         negated = r.build("logical_not", (cond,), (), shape, r.u[cond].dtype)
@@ -49,6 +53,15 @@ def where(r: Rules, op: str, args, attrs, shape, dtype) -> int:
     if masked is not None:
         return masked
     return elementwise(r, op, (cond, when_true, when_false), attrs, shape, dtype)
+
+
+def _promoted(r: Rules, branch: int, dtype: str) -> int:
+    """A constant branch of a `where` in the output's dtype, as torch promotes it: where(m, x, 0)
+    is one term whether its 0 came as an int or a float."""
+    value = r.full_value(branch)
+    if value is None or r.u[branch].dtype == dtype or isinstance(value, bool) != (dtype == "bool"):
+        return branch
+    return r.const(("full", value), r.shape(branch), dtype)
 
 
 def gather(r: Rules, op: str, args, attrs, shape, dtype) -> int:

@@ -56,6 +56,10 @@ def reduce(r: Rules, op: str, args, attrs, shape, dtype) -> int:
         return _reduce_copies(r, op, x, dims, shape, dtype)
     if op == "sum" and term.op == "cat" and term.attrs[0] in dims:  # a sum over the joined dim adds the parts' sums
         return r.lin([(r.build(op, (p,), attrs, shape, dtype), Fraction(1)) for p in term.args])
+    if term.op == "cat" and term.attrs[0] not in dims:  # reducing along the joined dim joins the parts' reductions
+        joined = term.attrs[0]
+        parts = [r.build(op, (p,), attrs, tuple(n for d, n in enumerate(r.shape(p)) if d not in dims), dtype) for p in term.args]
+        return r.cat(parts, joined - sum(d < joined for d in dims))
     root, box = r.as_region(x)
     if root != x:
         reduced_restricted = [d for d in dims if box[d] != (0, r.shape(root)[d])]
