@@ -42,16 +42,16 @@ def where(r: Rules, op: str, args, attrs, shape, dtype) -> int:
     chosen = r.full_value(cond)
     if chosen is not None:
         return when_true if chosen else when_false
-    for value, zero in ((when_true, when_false), (when_false, when_true)):
-        if r.full_value(zero) == 0 and r.op(value) in ("lin", "piece"):  # linear in the kept value
-            branches = (lambda t: (t, zero)) if value == when_true else (lambda t: (zero, t))
-            return r._map_linear(value, lambda t: r.build(op, (cond, *branches(t)), attrs, shape, dtype), shape)
     masked = _masked_lookup(r, cond, when_true, when_false)
     if masked is None and r.full_value(when_false) == 0:
         negated = r.build("logical_not", (cond,), (), shape, r.u[cond].dtype)
         masked = _masked_lookup(r, negated, when_false, when_true)
     if masked is not None:
         return masked
+    for value, zero in ((when_true, when_false), (when_false, when_true)):
+        if r.full_value(zero) == 0 and r.op(value) == "piece":  # linear in the kept value: a partial sum stays one
+            branches = (lambda t: (t, zero)) if value == when_true else (lambda t: (zero, t))
+            return r._map_linear(value, lambda t: r.build(op, (cond, *branches(t)), attrs, shape, dtype), shape)
     return elementwise(r, op, (cond, when_true, when_false), attrs, shape, dtype)
 
 

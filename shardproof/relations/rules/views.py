@@ -52,7 +52,7 @@ class ViewRules:
             moved = self._view_permute(x, shape)
             if moved is not None:
                 return moved
-        if term.op == "matmul" and len(term.shape) == 2 and len(self.shape(term.args[1])) == 2 and shape[-1] == term.shape[-1]:
+        if term.op == "matmul" and len(self.shape(term.args[1])) == 2 and shape[-1] == term.shape[-1]:
             rows, inner = term.args
             lifted = self.view(rows, shape[:-1] + self.shape(rows)[-1:])
             return self.build("matmul", (lifted, inner), term.attrs, shape, term.dtype)
