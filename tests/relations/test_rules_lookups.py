@@ -250,3 +250,28 @@ def test_gather_at_position_zero_reads_the_first_entry_along_the_dim(dim, data):
     y = b.op("gather", x, zeros, attrs=(dim,))
     b.check(y)
     assert "gather" not in b.ops_in(y)
+
+
+def test_a_where_takes_its_constant_branch_in_its_own_dtype():
+    """where(m, x, 0) is one term whether the tracer made the 0 an int or a float."""
+    b = Build()
+    x = b.leaf("x", (3, 4))
+    m = b.op("gt", b.leaf("y", (3, 4)), b.scalar(0.0, (3, 4)))
+    ints, floats = (b.op("where", m, x, b.scalar(0, (3, 4), dtype)) for dtype in (torch.int64, torch.float64))
+    b.check(ints)
+    assert ints.term == floats.term
+
+
+def test_a_where_keeping_a_partial_sum_or_zero_is_a_partial_sum():
+    """The mask of an expert's rows over a rank's partial down projection: the shares of the masked
+    whole, summing to it."""
+    b = Build()
+    h, w = b.leaf("h", (5, 6)), b.leaf("w", (6, 3))
+    m = b.op("gt", b.leaf("y", (5, 3)), b.scalar(0.0, (5, 3)))
+    zero = b.scalar(0.0, (5, 3))
+    shares = [b.op("where", m, b.op("matmul", b.sl(h, 1, lo, hi), b.sl(w, 0, lo, hi)), zero) for lo, hi in ((0, 4), (4, 6))]
+    assert all(b.op_of(s) == "piece" for s in shares)
+    total = b.add(*shares)
+    whole = b.op("where", m, b.op("matmul", h, w), zero)
+    assert total.term == whole.term
+    torch.testing.assert_close(b.value_of(total), whole.value)

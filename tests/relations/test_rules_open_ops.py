@@ -157,3 +157,50 @@ def test_complex_views_commute_with_layouts_of_their_leading_dims() -> None:
     b.check(joined)
     assert b.u[joined.term].op == "cat"
     assert _open(b, "aten.view_as_real.default", whole).term == x.term
+
+
+GATHER_ROWS = ((Operand(0), (Operand(1),)), (), ())  # x[idx]: aten.index.Tensor's template
+
+
+def test_an_opaque_op_linear_by_dtensors_strategies_maps_through_partial_sums() -> None:
+    """A rank's row gather of its partial product (a routed expert's output) is its share of the
+    gather of the whole product: the shares sum to it."""
+    b = Build()
+    x, w = b.leaf("x", (5, 6)), b.leaf("w", (6, 3))
+    idx = b.leaf("idx", (7,), torch.randint(0, 5, (7,), generator=b.gen))
+    shares = [b.op("aten.index.Tensor", b.op("matmul", b.sl(x, 1, lo, hi), b.sl(w, 0, lo, hi)), idx, attrs=GATHER_ROWS)
+              for lo, hi in ((0, 2), (2, 6))]
+    assert all(b.op_of(s) == "piece" for s in shares)
+    total = b.add(*shares)
+    whole = b.op("aten.index.Tensor", b.op("matmul", x, w), idx, attrs=GATHER_ROWS)
+    assert total.term == whole.term
+    b.check(total)
+    torch.testing.assert_close(b.value_of(total), whole.value)
+
+
+def test_an_opaque_op_not_linear_keeps_its_partial_operand() -> None:
+    b = Build()
+    x, w = b.leaf("x", (5, 6)), b.leaf("w", (6, 3))
+    share = _open(b, "aten.cumsum.default", b.op("matmul", b.sl(x, 1, 0, 2), b.sl(w, 0, 0, 2)), extra=(0,))
+    assert b.op_of(share) == "aten.cumsum.default"
+
+
+def _empty(b: Build, rank: int, n: int) -> V:
+    """An uninitialised buffer as relations/execute.py makes it: a term of its own per rank and line."""
+    return V(b.r.literal("empty", (), (rank, 0), (n,), "int64"), torch.zeros(n, dtype=torch.int64))
+
+
+def test_an_empty_buffer_written_at_every_sorted_position_is_no_argument() -> None:
+    """`inv = empty(n); inv[perm] = arange(n)` with `perm` a sort's order: the inverse permutation,
+    the same on every rank whatever its buffer held."""
+    b = Build()
+    keys = b.leaf("keys", (6,), torch.randint(0, 3, (6,), generator=b.gen))
+    perm = b.op("aten.sort.default", keys, attrs=((Operand(0),), (), (1,)))
+    steps = V(b.r.const(("arange", 0, 6, 1), (6,), "int64"), torch.arange(6))
+    put = ((Operand(0), (Operand(1),), Operand(2)), (), ())
+    inverses = [b.op("aten.index_put.default", _empty(b, rank, 6), perm, steps, attrs=put) for rank in (0, 1)]
+    assert inverses[0].term == inverses[1].term
+    b.check(inverses[0])
+    torch.testing.assert_close(inverses[0].value[perm.value], torch.arange(6))
+    partial = b.op("aten.index_put.default", _empty(b, 0, 6), b.sl(perm, 0, 0, 3), b.sl(steps, 0, 0, 3), attrs=put)
+    assert "empty" in b.ops_in(partial)  # some entries keep the buffer's contents: it stays

@@ -242,3 +242,17 @@ def test_argmax_over_a_size_one_dim_is_position_zero_not_the_value(keepdim):
     assert b.r.full_value(y.term) == 0
     shard = b.op("argmax", b.sl(b.leaf("z", (3, 5, 4)), 1, 2, 3), attrs=((1,), False))
     assert "arg_piece" in b.ops_in(shard)
+
+
+@pytest.mark.parametrize("op", ["sum", "amax"])
+def test_reducing_a_cat_along_another_dim_cats_the_reductions(op):
+    """A rank's packed gate and up columns of every expert's product, summed over the experts: the
+    reference's sum over the experts, at those columns."""
+    b = Build()
+    whole = b.leaf("x", (4, 3, 8))
+    columns = b.cat([b.sl(whole, 2, 0, 2), b.sl(whole, 2, 4, 6)], 2)
+    reduced = b.op(op, columns, attrs=((0,), False))
+    b.check(reduced)
+    assert b.op_of(reduced) == "cat"
+    of_whole = b.op(op, whole, attrs=((0,), False))
+    assert reduced.term == b.cat([b.sl(of_whole, 1, lo, lo + 2) for lo in (0, 4)], 1).term

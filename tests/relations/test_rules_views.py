@@ -282,3 +282,14 @@ def test_a_cat_behind_size_one_reshapes_and_permutes_is_exposed(m, n, dim, which
     exposed = b.r.exposed_cat(y.term)
     assert b.op_of(viewed) == "view" and b.u[exposed].op == "cat"
     torch.testing.assert_close(evaluate(b.u, exposed, b.leaves), y.value)
+
+
+def test_a_reshape_of_the_rows_of_a_product_by_a_matrix_reshapes_its_rows():
+    """(x @ w).view(6, 5) for a 3-D x is x.view(6, 4) @ w: a router applied before or after its
+    input is flattened."""
+    b = Build()
+    x, w = b.leaf("x", (2, 3, 4)), b.leaf("w", (4, 5))
+    after = b.view(b.op("matmul", x, w), (6, 5))
+    before = b.op("matmul", b.view(x, (6, 4)), w)
+    b.check(after)
+    assert after.term == before.term
