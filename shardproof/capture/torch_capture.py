@@ -68,9 +68,7 @@ def capture(
     pool, see shardproof.partition.backends), yielding their graphs in rank order."""
     start = time.perf_counter()
     with _session(case, world_size, mode) as session:
-        # ranks bound to reference outputs need the reference first; else it is traced last, on
-        # meta tensors only if every rank was (see `_trace_reference`)
-        reference = _trace_reference(session, memo, progress) if session.program.bound else None
+        reference = _trace_reference(session, memo, progress)
         bound = [_placeholder(reference, i) for i in session.program.bound]
         ranks: list[tuple[Graph, Trained]] = []
         claimed = ranks.append
@@ -93,7 +91,8 @@ def capture(
                     progress(f"tracing {len(uncovered)} ranks in workers")
                     elsewhere = dict(zip(uncovered, rest(uncovered)))
             count(progress, "ranks traced", rank + 1, world_size)
-        reference = reference or _trace_reference(session, memo, progress)
+        if session.reference_on_meta and session.ranks_off_meta:  # traced alike (see `_trace_reference`)
+            reference = _trace_reference(session, memo, progress)
         claims = [session.program.checks(len(reference.outputs), len(graph.outputs), trained) for graph, trained in ranks]
     return Captured(reference, [graph for graph, _ in ranks], agreed(claims), time.perf_counter() - start)
 
@@ -117,6 +116,7 @@ class _Session:
     names: list[str]
     model_on_meta: bool  # `model` was built on meta tensors (see `_reference`)
     ranks_off_meta: bool = False  # some rank was traced on fake tensors (see `_trace_reference`)
+    reference_on_meta: bool = False  # the reference was recorded on meta tensors
 
     def unpack(self, args: tuple) -> tuple[dict[str, torch.Tensor], tuple]:
         count = len(self.state_names)
@@ -191,9 +191,10 @@ def _fake_like(tensor: torch.Tensor) -> torch.Tensor:
 
 def _trace_reference(session: _Session, memo: bool, progress: Callable[[str], None]) -> Graph:
     """The reference's graph; a model built on meta tensors is recorded by the light tracer alone,
-    and built again on fake tensors where that fails or where a rank was traced on fake tensors:
-    code reading its tensors' device would take another branch on meta tensors than on the CPU
-    the ranks' fake tensors report (transformers' MoE counts tokens per expert by dtype per device)."""
+    and built again on fake tensors where that fails, or, traced again once the ranks are, where a
+    rank was traced on fake tensors: code reading its tensors' device takes another branch on meta
+    tensors than on the CPU the ranks' fake tensors report (transformers' MoE counts tokens per
+    expert by dtype per device)."""
     progress("tracing reference")
 
     def trace(model: torch.nn.Module, light_only: bool, on_meta: bool = True) -> Graph:
@@ -209,10 +210,12 @@ def _trace_reference(session: _Session, memo: bool, progress: Callable[[str], No
         if session.ranks_off_meta:
             try:
                 return trace(_build_model("reference()", session.case.reference), light_only=False, on_meta=False)
-            except (ShardproofError, NotPlain):
+            except (ShardproofError, InternalError, NotPlain):
                 pass  # a program that runs on meta tensors only as the model built on them holds its state (ties)
         try:
-            return trace(session.model, light_only=True)
+            graph = trace(session.model, light_only=True)
+            session.reference_on_meta = True
+            return graph
         except (ShardproofError, InternalError, NotPlain):
             model = _build_model("reference()", session.case.reference)
             return trace(model, light_only=False)
