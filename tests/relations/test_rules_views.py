@@ -293,3 +293,14 @@ def test_a_reshape_of_the_rows_of_a_product_by_a_matrix_reshapes_its_rows():
     before = b.op("matmul", b.view(x, (6, 4)), w)
     b.check(after)
     assert after.term == before.term
+
+
+def test_a_batch_of_ones_product_keeps_a_view_that_only_drops_its_size_one_dims():
+    """(x @ w).view(3, 5) for x of shape (1, 3, 4) only drops the batch of one: the view stays
+    outside the product (where the layout rules of a batch of one meet it), its value the product's."""
+    b = Build()
+    x, w = b.leaf("x", (1, 3, 4)), b.leaf("w", (4, 5))
+    dropped = b.view(b.op("matmul", x, w), (3, 5))
+    b.check(dropped)
+    assert b.op_of(dropped) == "view"
+    assert dropped.term != b.op("matmul", b.view(x, (3, 4)), w).term

@@ -52,7 +52,11 @@ class ViewRules:
             moved = self._view_permute(x, shape)
             if moved is not None:
                 return moved
-        if term.op == "matmul" and len(self.shape(term.args[1])) == 2 and shape[-1] == term.shape[-1]:
+        if term.op == "matmul" and len(self.shape(term.args[1])) == 2 and shape[-1] == term.shape[-1] and (
+            len(term.shape) == 2 or _regroups(term.shape, shape)
+        ):
+            # a batched product's rows reshaped (a router's flatten) reshape its operand; one that only
+            # drops or adds size-1 dims stays outside, the form a batch of one's layout rules meet
             rows, inner = term.args
             lifted = self.view(rows, shape[:-1] + self.shape(rows)[-1:])
             return self.build("matmul", (lifted, inner), term.attrs, shape, term.dtype)
@@ -272,6 +276,11 @@ def _paired_ones(pending: list[int], kept: set[int], room: int) -> list[int]:
         return pending
     dropped = sorted(pending, key=lambda d: d in kept)[:surplus]
     return [d for d in pending if d not in dropped]
+
+
+def _regroups(src: tuple[int, ...], dst: tuple[int, ...]) -> bool:
+    """The reshape merges or splits dims, beyond adding or dropping size-1 ones."""
+    return [n for n in src if n != 1] != [n for n in dst if n != 1]
 
 
 def _inserted_ones(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[int, ...] | None:
