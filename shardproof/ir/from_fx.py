@@ -602,16 +602,20 @@ def _strided(lo: Lowerer, value: int, dim: int, start: int, end: int, step: int)
         parts.append(slice_value(lo, value, dim, last, last + 1))
     if len(parts) == 1:
         return parts[0]
-    out_shape = shape[:dim] + (count,) + shape[dim + 1 :]
-    return lo.emit("cat", tuple(parts), (dim,), out_shape, lo.dtype(value))
+    return lo.emit("cat", tuple(parts), (dim,), _with(shape, dim, count), lo.dtype(value))
 
 
 def _grid_column(lo: Lowerer, value: int, dim: int, row: int, rows: int, column: int, step: int) -> int:
     """Rows [row, row + rows) of column `column` of `dim` viewed as a (size / step, step) grid."""
-    shape = lo.shape(value)
-    grid = _as_buffer(lo, value, shape[:dim] + (shape[dim] // step, step) + shape[dim + 1 :])
+    grid = _as_grid(lo, value, dim, step)
     cell = slice_value(lo, slice_value(lo, grid, dim, row, row + rows), dim + 1, column, column + 1)
-    return _as_buffer(lo, cell, shape[:dim] + (rows,) + shape[dim + 1 :])
+    return _as_buffer(lo, cell, _with(lo.shape(value), dim, rows))
+
+
+def _as_grid(lo: Lowerer, value: int, dim: int, step: int) -> int:
+    """`value` with `dim` viewed as a (size / step, step) grid."""
+    shape = lo.shape(value)
+    return _as_buffer(lo, value, shape[:dim] + (shape[dim] // step, step) + shape[dim + 1 :])
 
 
 def _slice_range(size: int, start: int | None, end: int | None, step: int) -> tuple[int, int]:
@@ -667,7 +671,7 @@ def _row_written(lo: Lowerer, base: int, row: int, dim: int, index: int) -> int:
     shape = lo.shape(base)
     dim = _dim(dim, len(shape))
     index = index + shape[dim] if index < 0 else index
-    one = shape[:dim] + (1,) + shape[dim + 1 :]
+    one = _with(shape, dim, 1)
     return _written_over(lo, base, lo.emit("view", (row,), (one,), one, lo.dtype(row)), dim, index, index + 1, 1)
 
 
@@ -693,8 +697,7 @@ def _strided_written_over(lo: Lowerer, base: int, src: int, dim: int, start: int
     inside = sum(1 for i in range(count) if start + i * step < whole)
     parts = []
     if whole:
-        grid_shape = shape[:dim] + (whole // step, step) + shape[dim + 1 :]
-        grid = _as_buffer(lo, slice_value(lo, base, dim, 0, whole), grid_shape)
+        grid = _as_grid(lo, slice_value(lo, base, dim, 0, whole), dim, step)
         column = slice_value(lo, grid, dim + 1, start % step, start % step + 1)
         if inside:
             cells = _as_buffer(lo, slice_value(lo, src, dim, 0, inside), _with(lo.shape(column), dim, inside))
@@ -711,6 +714,7 @@ def _strided_written_over(lo: Lowerer, base: int, src: int, dim: int, start: int
 
 
 def _with(shape: tuple[int, ...], dim: int, size: int) -> tuple[int, ...]:
+    """`shape` with `dim` of `size`."""
     return shape[:dim] + (size,) + shape[dim + 1 :]
 
 
