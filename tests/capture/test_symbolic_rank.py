@@ -59,7 +59,8 @@ def test_one_trace_stands_for_every_rank_of_the_examples(example: str, world_siz
 def test_one_trace_stands_for_every_rank_of_transformers_tp() -> None:
     """A mesh made in the rank's program (a 4-D one with one wide dim, and its TP slice), DTensor
     placeholders sharded at the symbolic coordinate, the loader's even shard offsets."""
-    integration = pytest.importorskip("shardproof.integrations.transformers")
+    pytest.importorskip("transformers", minversion="5", reason="needs the hf extra: pip install 'shardproof[hf]'")
+    from shardproof.integrations import transformers as integration
     found, symbolic, own = by_rank(integration.transformers_case(integration.tiny_config("llama"), world_size=4), 4)
     assert found == 1
     assert_same_programs(symbolic, own)
