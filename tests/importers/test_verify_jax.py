@@ -16,7 +16,7 @@ from shardproof.cli import main
 from shardproof.importers.numeric import run_graphs
 from shardproof.importers.verify import import_pair
 
-pytest.importorskip("jax")
+pytest.importorskip("jaxlib", reason="needs the jax extra: pip install 'shardproof[jax]' (tests/importers/jax is a folder, so `import jax` alone could find it)")
 
 HERE = Path(__file__).parent / "jax"
 sys.path.insert(0, str(HERE))
