@@ -1,7 +1,9 @@
 """Frameworks' own tensor parallelism through shardproof.integrations: one row per framework,
 architecture, mode and world size, each verified in a fresh Python process (`python -c`), so the
 wall time includes starting Python and importing torch and the framework, and the peak memory is
-that process's own.
+that process's own. The CPU seconds (user + system) of that process are printed beside the wall time:
+on a loaded machine they say what the wall time would be on an idle one, as nearly all the work is
+on one thread.
 
 Rows: every transformers architecture of tests/realworld/test_transformers.py from its tiny config,
 torchtitan's llama3 and qwen3 (TP+SP), Megatron-Core's GPTModel (TP+SP), forward at world sizes 2
@@ -51,6 +53,7 @@ report = verify(case, world_size={n}, train={train})
 print("RESULT " + json.dumps({{"verdict": report.verdict, "reference_ops": report.reference_ops,
     "distributed_ops": report.distributed_ops, "proof_seconds": report.seconds - report.capture_seconds,
     "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    "cpu_seconds": sum(resource.getrusage(resource.RUSAGE_SELF)[:2]),
     "note": str(report.diagnosis or report.unknown or "")[:160]}}))
 """
 
@@ -97,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train", action="store_true", help="one training step instead of the forward")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per row")
     args = parser.parse_args(argv)
-    print("| framework | architecture | ws | verdict | wall s | proof s | peak MiB | ref ops | dist ops | target |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| framework | architecture | ws | verdict | wall s | cpu s | proof s | peak MiB | ref ops | dist ops | target |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     notes, missed = [], 0
     for framework, arch, n, build in rows(set(args.only.split(",")), [int(w) for w in args.world_sizes.split(",")], args.train):
         print(f"{framework} {arch} ws={n} ...", file=sys.stderr, flush=True)
@@ -108,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         missed += met.startswith("missed")
         proof = f"{got['proof_seconds']:.1f}" if "proof_seconds" in got else "-"
         peak = f"{got['peak_mib']:.0f}" if "peak_mib" in got else "-"
-        print(f"| {framework} | {arch} | {n} | {got['verdict']} | {got['wall']:.1f} | {proof} | {peak} | "
+        cpu = f"{got['cpu_seconds']:.1f}" if "cpu_seconds" in got else "-"
+        print(f"| {framework} | {arch} | {n} | {got['verdict']} | {got['wall']:.1f} | {cpu} | {proof} | {peak} | "
               f"{got.get('reference_ops', '-')} | {got.get('distributed_ops', '-')} | {met} |", flush=True)
         if got.get("note"):
             notes.append(f"{framework} {arch} ws={n}: {got['note']}")
