@@ -20,13 +20,6 @@ ARCHITECTURES = [
 RUNS = [(mode, n) for mode, sizes in (("forward", (2, 4, 8)), ("train", (2, 4))) for n in sizes]
 
 
-# (architecture, mode) -> why it is not proven yet; each is checked to stay unproven (strict xfail)
-NOT_PROVEN = {
-    **{(moe, "train"): "the experts' backward (the grouped product's gradient, scattered back to the tokens) is not related yet"
-       for moe in ("mixtral", "qwen3_moe", "deepseek_v3")},
-}
-
-
 @pytest.mark.parametrize("mode, world_size", RUNS, ids=[f"{mode}-{n}" for mode, n in RUNS])
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_transformers_tp_computes_the_reference(architecture: str, mode: str, world_size: int) -> None:
@@ -38,11 +31,8 @@ def test_transformers_tp_computes_the_reference(architecture: str, mode: str, wo
 @pytest.mark.slow
 @pytest.mark.parametrize("mode, world_size", RUNS, ids=[f"{mode}-{n}" for mode, n in RUNS])
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
-def test_transformers_tp_is_proven(request: pytest.FixtureRequest, architecture: str, mode: str, world_size: int) -> None:
+def test_transformers_tp_is_proven(architecture: str, mode: str, world_size: int) -> None:
     """Proven equivalent with transformers' defaults (the test above shows the numbers agree)."""
-    gap = NOT_PROVEN.get((architecture, mode))
-    if gap is not None:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=gap))
     case = transformers_case(tiny_config(architecture), world_size=world_size, train=mode == "train")
     report = verify(case, world_size=world_size, train=mode == "train", backend="none")
     assert report.verdict == "equivalent", report.diagnosis or report.unknown

@@ -275,3 +275,41 @@ def test_a_where_keeping_a_partial_sum_or_zero_is_a_partial_sum():
     whole = b.op("where", m, b.op("matmul", h, w), zero)
     assert total.term == whole.term
     torch.testing.assert_close(b.value_of(total), whole.value)
+
+
+def test_a_where_keeping_a_sum_of_partial_sums_or_zero_is_a_partial_sum():
+    """A rank's share of a fused product's gradient is a sum of two partial sums over the same range
+    (one per half); the mask keeps it one partial sum, and the ranks' shares sum to the masked whole."""
+    b = Build()
+    g, u, wg, wu = b.leaf("g", (5, 4)), b.leaf("u", (5, 4)), b.leaf("wg", (4, 3)), b.leaf("wu", (4, 3))
+    m = b.op("gt", b.leaf("y", (5, 3)), b.scalar(0.0, (5, 3)))
+    zero = b.scalar(0.0, (5, 3))
+    shares = []
+    for lo, hi in ((0, 2), (2, 4)):
+        rank = b.add(b.op("matmul", b.sl(g, 1, lo, hi), b.sl(wg, 0, lo, hi)), b.op("matmul", b.sl(u, 1, lo, hi), b.sl(wu, 0, lo, hi)))
+        shares.append(b.op("where", m, rank, zero))
+    assert all(b.op_of(s) == "piece" for s in shares)
+    total = b.add(*shares)
+    whole = b.op("where", m, b.add(b.op("matmul", g, wg), b.op("matmul", u, wu)), zero)
+    assert total.term == whole.term
+    b.check(total)
+
+
+def test_a_where_keeping_a_broadcast_cat_or_zero_is_cut_where_the_cat_is():
+    """where(m, bcast(cat(a, c)), 0) is the cat of the masked parts, so a rank's packed rows of
+    each part (a fused gate/up gradient) are regions of the reference's masked parts."""
+    b = Build()
+    a_, c, y = b.leaf("a", (6, 3)), b.leaf("c", (6, 3)), b.leaf("y", (3,))
+
+    def masked(rows: list[V]) -> V:
+        n = sum(r.shape[0] for r in rows)
+        m = b.expand(b.view(b.op("gt", y, b.scalar(0.0, (3,))), (1, 1, 3)), (2, n, 3))
+        value = b.expand(b.view(b.cat(rows, 0), (1, n, 3)), (2, n, 3))
+        return b.op("where", m, value, b.scalar(0.0, (2, n, 3)))
+
+    whole = masked([a_, c])
+    packed = masked([b.sl(a_, 0, 0, 3), b.sl(c, 0, 0, 3)])
+    b.check(whole)
+    b.check(packed)
+    assert b.op_of(whole) == b.op_of(packed) == "cat"
+    assert [b.r.as_region(p)[0] for p in b.u[packed.term].args] == list(b.u[whole.term].args)

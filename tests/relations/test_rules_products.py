@@ -273,3 +273,39 @@ def test_a_matmul_with_a_zero_operand_is_zero(zero_side: int) -> None:
     if zero_side == 0:
         shards = [b.op("matmul", b.sl(zeros, 2, lo, lo + 2), b.sl(w, 0, lo, lo + 2)) for lo in (0, 2)]
         assert b.op("add", *shards).term == y.term
+
+
+def test_matmul_over_a_broadcast_cat_on_the_contracted_dim():
+    """A fused gate/up gradient broadcast over the experts of a grouped product splits the product
+    like a cat: bcast(cat(g, u)) @ w == bcast(g) @ w[:, :k] + bcast(u) @ w[:, k:]."""
+    b = Build()
+    g, u, w = b.leaf("g", (3, 2)), b.leaf("u", (3, 4)), b.leaf("w", (5, 6, 7))
+    y = b.op("matmul", over_experts(b, b.cat([g, u], 1), 5), w)
+    b.check(y)
+    parts = [b.op("matmul", over_experts(b, g, 5), b.sl(w, 1, 0, 2)), b.op("matmul", over_experts(b, u, 5), b.sl(w, 1, 2, 6))]
+    assert y.term == b.add(*parts).term
+
+
+def test_packed_shards_of_a_fused_gradient_sum_to_the_product():
+    """Each rank contracts its columns of both halves of a fused gate/up gradient with its rows of
+    the fused weight (a packed column-parallel weight): one partial sum per rank, summing to the
+    reference's product."""
+    b = Build()
+    g, u, w = b.leaf("g", (3, 4)), b.leaf("u", (3, 4)), b.leaf("w", (2, 8, 5))
+    grad = over_experts(b, b.cat([g, u], 1), 2)
+    full = b.op("matmul", grad, w)
+    b.r.reference_size = len(b.u)  # the ranks' terms come after the reference's, as in a proof
+    shares = []
+    for lo, hi in ((0, 2), (2, 4)):
+        local = over_experts(b, b.cat([b.sl(g, 1, lo, hi), b.sl(u, 1, lo, hi)], 1), 2)
+        rows = b.cat([b.sl(w, 1, lo, hi), b.sl(w, 1, 4 + lo, 4 + hi)], 1)
+        shares.append(b.op("matmul", local, rows))
+    assert all(b.op_of(s) == "piece" for s in shares)
+    total = b.add(*shares)
+    b.check(total)
+    assert total.term == full.term
+
+
+def over_experts(b: Build, x: V, experts: int) -> V:
+    """`x` broadcast over a leading experts dim, as `torch.expand` adds one (a view, then an expand)."""
+    return b.expand(b.view(x, (1, *x.shape)), (experts, *x.shape))

@@ -83,7 +83,21 @@ class LinearRules:
                     del coefs[t]
                 merged = self.piece(full, axis, run[0][0], run[-1][1], size)
                 coefs[merged] = coefs.get(merged, Fraction(0)) + c
-        return coefs
+        return self._joint_piece(coefs)
+
+    def _joint_piece(self, coefs: dict[int, Fraction]) -> dict[int, Fraction]:
+        """A sum of pieces of different sums, all over the same range of the same number of
+        indices, is that range of their sum: the pieces' indices pair up one to one (index k of
+        the sum is the k-th of every part), so the ranks' pieces still tile the whole. A rank's
+        share of a fused gate/up product's gradient, one piece from each half, stays one partial
+        sum through what is linear in it (`where(mask, x, 0)`), as the reference's sum does."""
+        terms = [self.u[t] for t in coefs]
+        if len(terms) < 2 or any(t.op != "piece" for t in terms) or len({t.attrs[1:] for t in terms}) != 1:
+            return coefs
+        lo, hi, size = terms[0].attrs[1:]
+        whole = self.lin([(t.args[0], c) for t, c in zip(terms, coefs.values())])
+        axis = ("joint", tuple(sorted((t.attrs[0] for t in terms), key=repr)))
+        return {self.piece(whole, axis, lo, hi, size): Fraction(1)}
 
     def piece(self, full: int, axis: Any, lo: int, hi: int, size: int) -> int:
         """The part of the sum `full` whose summation index along `axis` lies in [lo, hi)."""

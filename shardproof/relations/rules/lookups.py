@@ -49,9 +49,14 @@ def where(r: Rules, op: str, args, attrs, shape, dtype) -> int:
     if masked is not None:
         return masked
     for value, zero in ((when_true, when_false), (when_false, when_true)):
-        if r.full_value(zero) == 0 and r.op(value) == "piece":  # linear in the kept value: a partial sum stays one
-            branches = (lambda t: (t, zero)) if value == when_true else (lambda t: (zero, t))
+        if r.full_value(zero) != 0:
+            continue
+        branches = (lambda t: (t, zero)) if value == when_true else (lambda t: (zero, t))
+        if r.op(value) == "piece":  # linear in the kept value: a partial sum stays one
             return r._map_linear(value, lambda t: r.build(op, (cond, *branches(t)), attrs, shape, dtype), shape)
+        parts = r.exposed_cat(value)  # and so cut where the value is, seen through a broadcast or permute
+        if parts is not None and parts != value:
+            return elementwise(r, op, (cond, *branches(parts)), attrs, shape, dtype)
     return elementwise(r, op, (cond, when_true, when_false), attrs, shape, dtype)
 
 

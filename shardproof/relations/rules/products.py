@@ -141,9 +141,9 @@ def matmul(r: Rules, op: str, args, attrs, shape, dtype) -> int:
 
 
 def _exposed_cat(r: Rules, t: int) -> int | None:
-    """A matmul operand that is a cat behind permutes and size-1 reshapes (`Rules.exposed_cat`),
+    """A matmul operand that is a cat behind permutes, broadcasts and size-1 reshapes (`Rules.exposed_cat`),
     as that cat, when its cat dim is a matrix dim (free or contracted), which products split by."""
-    if r.op(t) not in ("permute", "view"):
+    if r.op(t) not in ("permute", "view", "bcast"):
         return None
     exposed = r.exposed_cat(t)
     if exposed is None or r.u[exposed].attrs[0] < len(r.shape(t)) - 2:

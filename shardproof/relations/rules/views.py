@@ -98,19 +98,33 @@ class ViewRules:
         return self.cat(parts, out_dim)
 
     def exposed_cat(self, x: int) -> int | None:
-        """`x` as a cat (or None) when it is one seen through permutes and reshapes that keep the
-        cat dim whole: in normal form, reshapes that only add or drop size-1 dims, which
+        """`x` as a cat (or None) when it is one seen through permutes, broadcasts and reshapes that
+        keep the cat dim whole: in normal form, reshapes that only add or drop size-1 dims, which
         `_view_cat` leaves outside the cat. Products split by the parts of such an operand as by a
         cat's, so a batch of one flattened for a weight gradient splits like a larger batch,
         whose flattening distributes over the cat."""
         term = self.u[x]
         if term.op == "cat":
             return x
-        inner = self.exposed_cat(term.args[0]) if term.op in ("permute", "view") else None
+        inner = self.exposed_cat(term.args[0]) if term.op in ("permute", "view", "bcast") else None
         if inner is None:
             return None
-        found = self.permute(inner, term.attrs[0]) if term.op == "permute" else self._cat_of_views(inner, term.shape)
+        if term.op == "permute":
+            found = self.permute(inner, term.attrs[0])
+        elif term.op == "bcast":
+            found = self._cat_of_bcasts(inner, term.shape, term.attrs[0])
+        else:
+            found = self._cat_of_views(inner, term.shape)
         return found if found is not None and self.op(found) == "cat" else None  # joined parts: no cat
+
+    def _cat_of_bcasts(self, x: int, shape: tuple[int, ...], dims: tuple[int, ...]) -> int:
+        """bcast(cat(parts), shape) as the cat of the parts broadcast alike: the cat dim is one of
+        the base's own dims, which a broadcast only places (a fused gradient broadcast over the
+        experts of a grouped product, which products split by its parts)."""
+        term = self.u[x]
+        out_dim = dims[term.attrs[0]]
+        parts = [self.bcast(p, shape[:out_dim] + (self.shape(p)[term.attrs[0]],) + shape[out_dim + 1 :], dims) for p in term.args]
+        return self.cat(parts, out_dim)
 
     def _view_matmul_batch(self, x: int, shape: tuple[int, ...]) -> int | None:
         """A reshape of only the batch dims of a batched matmul is that reshape of both operands'
