@@ -82,6 +82,7 @@ def import_pair(
     if ref.world_size != 1:
         raise CaseError(f"{reference}: the reference must run on one device, but its graph spans {ref.world_size} ranks")
     _same_inputs_on_every_rank(dist)
+    _as_many_outputs_on_every_rank(dist)
     implied = implied_world_size(ref.graphs[0], dist.graphs[0])
     if dist.world_size == 1 and implied > 1:
         dist.on_ranks(implied)
@@ -90,6 +91,18 @@ def import_pair(
         pin(pairs, ref.graphs[0], relations)
     compared, checks = _outputs(ref.graphs[0], dist.graphs[0], dist.world_size)
     return ImportedPair(ref, dist, pairs, compared, checks, time.perf_counter() - start)
+
+
+def _as_many_outputs_on_every_rank(program: Program) -> None:
+    """The ranks' dumps of one program return as many outputs (their shapes may differ: uneven
+    shards). A rank that returns fewer or more is a damaged or mismatched dump, refused by name."""
+    first = program.graphs[0]
+    for graph in program.graphs[1:]:
+        if len(graph.graph.outputs) != len(first.graph.outputs):
+            raise CaseError(
+                f"{graph.path}: returns {len(graph.graph.outputs)} outputs here but {len(first.graph.outputs)} in "
+                f"{first.path}; the ranks of one program return as many"
+            )
 
 
 def _same_inputs_on_every_rank(program: Program) -> None:

@@ -150,3 +150,15 @@ def test_a_broadcast_over_a_named_group_imports_in_a_fresh_process() -> None:
     done = subprocess.run([sys.executable, "-m", "shardproof", "verify-graphs", "--quiet", "--reference", ref, "--distributed", dist],
                           capture_output=True, text=True)
     assert done.returncode == 1 and done.stdout.startswith("discrepancy"), done.stderr
+
+
+def test_ranks_that_return_other_outputs_than_rank_0_are_refused(tmp_path: Path) -> None:
+    """Which outputs to compare is read from rank 0: a rank dump returning fewer is damaged (a
+    fuzzed dump once ended in an IndexError here)."""
+    (tmp_path / "ref.py").write_text(RANK.format(cols=6, bias=6))
+    ranks = tmp_path / "tp2"
+    ranks.mkdir()
+    (ranks / "fw.g0.r0.py").write_text(RANK.format(cols=3, bias=3).replace("return (add,)", "return (add, mm)"))
+    (ranks / "fw.g0.r1.py").write_text(RANK.format(cols=3, bias=3))
+    with pytest.raises(CaseError, match=r"fw.g0.r1.py: returns 1 outputs here but 2 in .*fw.g0.r0.py"):
+        import_pair(tmp_path / "ref.py", ranks)
