@@ -150,11 +150,12 @@ class _Parser:
             if node.target is operator.getitem:
                 self.check_item(node)
                 continue
-            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+            # an operand node without a value is marked; a literal None argument stays, for torch to judge
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: _NO_VALUE if n.meta.get("val") is None else n.meta["val"])
             if _collective(node):  # not run: torch resolves its group by a name no dump registers here
                 self.check_declared(node, _collective_result(node, args))
                 continue
-            if not isinstance(node.target, torch._ops.OpOverload) or None in _leaves(args, kwargs):
+            if not isinstance(node.target, torch._ops.OpOverload) or any(v is _NO_VALUE for v in _leaves(args, kwargs)):
                 continue  # a kernel not loaded here, or an operand without a value: the lowering decides
             kwargs = {**kwargs, **({"device": "meta"} if "device" in kwargs else {})}
             try:
@@ -309,6 +310,9 @@ class _Parser:
         primals = [n.meta["dump_name"] for n in self.graph.nodes if n.op == "placeholder" and n.meta["dump_name"].startswith("primals")]
         start = outputs - len(primals)
         return {start + k: name for k, name in enumerate(primals)} if start >= 0 else {}
+
+
+_NO_VALUE = object()  # an operand node whose value the dump does not give
 
 
 def _leaves(*values: Any) -> list[Any]:

@@ -258,6 +258,7 @@ def test_malformed_dump_names_file_line_and_expectation(tmp_path: Path, line: st
         (['        y: "f32[4]" = torch.ops.aten.neg.default(x)'], 'the annotation "f32[4]" to be what the op computes, f32[3]'),
         (['        y: "i64[3]" = torch.ops.aten.neg.default(x)'], 'the annotation "i64[3]" to be what the op computes, f32[3]'),
         (['        y: "f32[3]" = torch.ops.aten.mm.default(x, x)'], "operands that `mm.default` accepts"),
+        (['        y: "f32[3]" = torch.ops.aten.mul.Tensor(x, None)'], "operands that `mul.Tensor` accepts"),
         (['        y: "f32[2, 2]" = torch.ops.aten.view.default(x, [2, 2])'], "operands that `view.default` accepts"),
         (["        y = torch.ops.aten.split_with_sizes.default(x, [1, 1])"], "operands that `split_with_sizes.default` accepts"),
         (["        y: \"f32[4]\" = torch.ops._c10d_functional.all_reduce.default(x, 'sum', '0')"],
@@ -270,7 +271,7 @@ def test_malformed_dump_names_file_line_and_expectation(tmp_path: Path, line: st
         (['        y: "f32[3]" = torch.ops.aten.neg.default(x)', '        y: "f32[3]" = torch.ops.aten.exp.default(x)'],
          "a new name (`y` is assigned above)"),
     ],
-    ids=["shape", "dtype", "operands", "view-count", "split-sizes", "all-reduce", "all-gather", "split-item", "item-index",
+    ids=["shape", "dtype", "operands", "none-operand", "view-count", "split-sizes", "all-reduce", "all-gather", "split-item", "item-index",
          "assigned-twice"],
 )
 def test_a_dump_that_contradicts_itself_is_refused_at_its_line(tmp_path: Path, lines: list[str], expected: str) -> None:

@@ -309,3 +309,12 @@ def test_packed_shards_of_a_fused_gradient_sum_to_the_product():
 def over_experts(b: Build, x: V, experts: int) -> V:
     """`x` broadcast over a leading experts dim, as `torch.expand` adds one (a view, then an expand)."""
     return b.expand(b.view(x, (1, *x.shape)), (experts, *x.shape))
+
+
+def test_matmul_with_a_matrix_broadcast_over_the_batch_is_the_product_with_the_matrix():
+    """einsum runs x @ w as a bmm with w broadcast over a batch of one: the same product."""
+    b = Build()
+    x, w = b.leaf("x", (1, 6, 4)), b.leaf("w", (4, 3))
+    y = b.op("matmul", x, over_experts(b, w, 1))
+    b.check(y)
+    assert y.term == b.op("matmul", x, w).term

@@ -304,3 +304,29 @@ def test_a_batch_of_ones_product_keeps_a_view_that_only_drops_its_size_one_dims(
     b.check(dropped)
     assert b.op_of(dropped) == "view"
     assert dropped.term != b.op("matmul", b.view(x, (3, 4)), w).term
+
+
+@SETTINGS
+@given(st.lists(st.integers(1, 3), min_size=2, max_size=4), st.permutations(range(4)), st.data())
+def test_a_permute_moving_only_size_one_dims_is_a_reshape(sizes, perm, data):
+    """Elements keep their order when only size-1 dims move: the permute is the view to its shape."""
+    shape = tuple(sizes) + (1,) * (4 - len(sizes))
+    shape = tuple(data.draw(st.permutations(shape)))
+    b = Build()
+    x = b.leaf("x", shape)
+    y = b.permute(x, perm)
+    b.check(y)
+    moved = [p for p in perm if shape[p] != 1]
+    if moved != sorted(moved):
+        assert b.op_of(y) == "permute"
+    else:
+        assert y.term == x.term if y.shape == shape else b.op_of(y) == "view"
+
+
+def test_size_one_dims_added_to_a_products_rows_and_dropped_again_leave_the_product():
+    """einsum's x.unsqueeze(2) @ w, viewed without the size-1 dim, is x @ w."""
+    b = Build()
+    x, w = b.leaf("x", (2, 3, 4)), b.leaf("w", (4, 5))
+    y = b.view(b.op("matmul", b.view(x, (2, 3, 1, 4)), w), (2, 3, 5))
+    b.check(y)
+    assert y.term == b.op("matmul", x, w).term

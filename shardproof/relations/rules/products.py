@@ -101,7 +101,10 @@ def matmul(r: Rules, op: str, args, attrs, shape, dtype) -> int:
         # zeros times anything: the zeros a slice's backward pads its gradient with, through a
         # column-parallel layer's input gradient, are one zero product, not one per weight shard
         return r.literal("full", (), (0.0,), shape, dtype)
-    ta = r.u[a]
+    ta, tb = r.u[a], r.u[b]
+    if tb.op == "bcast" and tb.attrs[0] == (len(shape) - 2, len(shape) - 1) and r.shape(a)[:-2] == shape[:-2]:
+        # one matrix broadcast over the batch (einsum's bmm): the product with the matrix itself
+        return r.build(op, (a, tb.args[0]), attrs, shape, dtype)
     if ta.op == "permute" and ta.attrs[0][-1] == len(ta.shape) - 1 and len(r.shape(b)) == 2:
         inner = ta.args[0]  # rows permuted, contraction dim in place: permute the product instead
         product = r.build(op, (inner, b), attrs, r.shape(inner)[:-1] + shape[-1:], dtype)

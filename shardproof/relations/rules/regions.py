@@ -391,6 +391,9 @@ class RegionRules:
             order = sorted(range(len(dims)), key=lambda i: new_pos[i])
             base = self.permute(term.args[0], tuple(order))
             return self.bcast(base, shape, tuple(sorted(new_pos)))
+        moved = [p for p in perm if term.shape[p] != 1]
+        if moved == sorted(moved):  # only size-1 dims move: the elements keep their order, a reshape
+            return self.view(x, shape)
         return self.literal("permute", (x,), (tuple(perm),), shape, term.dtype)
 
 

@@ -60,6 +60,13 @@ class ViewRules:
             rows, inner = term.args
             lifted = self.view(rows, shape[:-1] + self.shape(rows)[-1:])
             return self.build("matmul", (lifted, inner), term.attrs, shape, term.dtype)
+        if term.op == "matmul" and len(self.shape(term.args[1])) == 2 and shape[-1] == term.shape[-1]:
+            # size-1 dims dropped again that were added to the rows (einsum's unsqueeze before bmm):
+            # the product of the rows as they were
+            rows, inner = term.args
+            before = _size_one_reshape_of(self.u[rows])
+            if before is not None and self.shape(before)[:-1] == shape[:-1]:
+                return self.build("matmul", (before, inner), term.attrs, shape, term.dtype)
         if term.op == "matmul" and len(term.shape) > 2 and len(shape) > 2 and shape[-2:] == term.shape[-2:]:
             regrouped = self._view_matmul_batch(x, shape)
             if regrouped is not None:
@@ -290,6 +297,16 @@ def _paired_ones(pending: list[int], kept: set[int], room: int) -> list[int]:
         return pending
     dropped = sorted(pending, key=lambda d: d in kept)[:surplus]
     return [d for d in pending if d not in dropped]
+
+
+def _size_one_reshape_of(term) -> int | None:
+    """The term that `term` only adds size-1 dims to (a view, or a broadcast placing all the
+    dims of its base), if it is one."""
+    if term.op == "view":
+        return term.args[0]
+    if term.op == "bcast" and all(n == 1 for d, n in enumerate(term.shape) if d not in term.attrs[0]):
+        return term.args[0]
+    return None
 
 
 def _regroups(src: tuple[int, ...], dst: tuple[int, ...]) -> bool:
