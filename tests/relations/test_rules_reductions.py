@@ -256,3 +256,13 @@ def test_reducing_a_cat_along_another_dim_cats_the_reductions(op):
     assert b.op_of(reduced) == "cat"
     of_whole = b.op(op, whole, attrs=((0,), False))
     assert reduced.term == b.cat([b.sl(of_whole, 1, lo, lo + 2) for lo in (0, 4)], 1).term
+
+
+def test_a_sum_over_flattened_rows_of_a_product_is_the_sum_over_the_rows_dims():
+    """A bias gradient: (x.view(b*s, h) @ w).sum(0) of F.linear's 2-D form meets the sum over (b, s)
+    of the 3-D product a rank computes."""
+    b = Build()
+    x, w = b.leaf("x", (2, 3, 4)), b.leaf("w", (4, 5))
+    flat = b.op("sum", b.op("matmul", b.view(x, (6, 4)), w), attrs=((0,), False))
+    b.check(flat)
+    assert flat.term == b.op("sum", b.op("matmul", x, w), attrs=((0, 1), False)).term

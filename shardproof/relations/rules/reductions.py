@@ -47,9 +47,18 @@ def reduce(r: Rules, op: str, args, attrs, shape, dtype) -> int:
     if op == "sum" and is_one_hot(r, x) and term.attrs[0] in dims:
         return r.build("sum", (term.args[2],), attrs, shape, dtype)  # one entry per row: the written values
     if op in ("sum", "amax") and term.op == "view":
-        unviewed = _reduce_through_view(r, op, x, dims, shape, dtype)
+        unviewed = _reduce_through_view(r, op, term.args[0], term.shape, dims, shape, dtype)
         if unviewed is not None:
             return unviewed
+    if op in ("sum", "amax") and term.op == "matmul" and r.op(term.args[0]) == "view" and len(r.shape(term.args[1])) == 2:
+        # rows reshaped into a product with one matrix are the product's rows reshaped (the normal
+        # form keeps such a reshape inside the product): reduced as that reshape is
+        rows = r.u[term.args[0]].args[0]
+        if r.shape(rows)[-1] == r.shape(term.args[0])[-1]:
+            product = r.build("matmul", (rows, term.args[1]), term.attrs, r.shape(rows)[:-1] + term.shape[-1:], term.dtype)
+            unviewed = _reduce_through_view(r, op, product, term.shape, dims, shape, dtype)
+            if unviewed is not None:
+                return unviewed
     if op == "sum" and term.op in ("lin", "piece"):
         return r._map_linear(x, lambda t: r.build(op, (t,), attrs, shape, dtype), shape)
     if op in _SPLIT_REDUCTIONS and term.op == "bcast" and term.dtype == real(dtype):
@@ -101,12 +110,12 @@ def _reduce_copies(r: Rules, op: str, x: int, dims: tuple[int, ...], shape, dtyp
     return r.scale(out, copies) if op == "sum" else out
 
 
-def _reduce_through_view(r: Rules, op: str, x: int, dims: tuple[int, ...], shape: tuple[int, ...], dtype: str) -> int | None:
-    """Reducing whole groups of a reshape reduces its source over those groups' source dims:
-    summing a flattened (b*s, h) over its rows sums (b, s, h) over b and s."""
-    term = r.u[x]
-    source = term.args[0]
-    groups = reshape_groups(r.shape(source), term.shape)
+def _reduce_through_view(
+    r: Rules, op: str, source: int, viewed: tuple[int, ...], dims: tuple[int, ...], shape: tuple[int, ...], dtype: str
+) -> int | None:
+    """Reducing whole groups of a reshape of `source` to `viewed` reduces the source over those
+    groups' source dims: summing a flattened (b*s, h) over its rows sums (b, s, h) over b and s."""
+    groups = reshape_groups(r.shape(source), viewed)
     if groups is None:
         return None
     reduced, source_dims = set(dims), []
