@@ -61,10 +61,10 @@ class ViewRules:
             lifted = self.view(rows, shape[:-1] + self.shape(rows)[-1:])
             return self.build("matmul", (lifted, inner), term.attrs, shape, term.dtype)
         if term.op == "matmul" and len(self.shape(term.args[1])) == 2 and shape[-1] == term.shape[-1]:
-            # size-1 dims dropped again that were added to the rows (einsum's unsqueeze before bmm):
-            # the product of the rows as they were
+            # the rows' own reshape undone (einsum's unsqueeze before its bmm, squeezed after): the
+            # product of the rows as they were (equal counts of rows and elements: equal last dims)
             rows, inner = term.args
-            before = _size_one_reshape_of(self.u[rows])
+            before = _reshaped_from(self.u[rows])
             if before is not None and self.shape(before)[:-1] == shape[:-1]:
                 return self.build("matmul", (before, inner), term.attrs, shape, term.dtype)
         if term.op == "matmul" and len(term.shape) > 2 and len(shape) > 2 and shape[-2:] == term.shape[-2:]:
@@ -299,9 +299,8 @@ def _paired_ones(pending: list[int], kept: set[int], room: int) -> list[int]:
     return [d for d in pending if d not in dropped]
 
 
-def _size_one_reshape_of(term) -> int | None:
-    """The term that `term` only adds size-1 dims to (a view, or a broadcast placing all the
-    dims of its base), if it is one."""
+def _reshaped_from(term) -> int | None:
+    """The term that `term` reshapes (a view, or a broadcast that only adds size-1 dims), if any."""
     if term.op == "view":
         return term.args[0]
     if term.op == "bcast" and all(n == 1 for d, n in enumerate(term.shape) if d not in term.attrs[0]):
