@@ -6,7 +6,8 @@ All ranks run in this process, one thread each, on torch's threaded process grou
 (`torch.testing._internal.distributed.multi_threaded_pg`). Unlike `LocalTensorMode`, which runs one
 SPMD program over per-rank values, threads let each rank build its own model with
 `case.distributed(rank, world_size)` (rank-dependent shapes and Python control flow included), and
-c10d collectives, functional collectives and DTensor all get real collective semantics. Spawning
+c10d collectives, functional collectives and DTensor all get real collective semantics (and
+point-to-point messages, `threaded_p2p.py`). Spawning
 gloo processes would do the same at roughly 100x the start-up cost.
 """
 
@@ -43,6 +44,7 @@ from shardproof.errors import CaseError
 from shardproof.programs import Check, NumericResult, Output
 from shardproof.state import module_state
 from shardproof.steps import Program, Trained, agreed, program_for
+from shardproof.threaded_p2p import point_to_point
 
 # The threaded process group swaps torch's global c10d world: one oracle run at a time.
 _LOCK = threading.Lock()
@@ -258,7 +260,7 @@ def _run_ranks(fn: Callable[[int], Any], world_size: int) -> tuple[list[Any], li
     torch._C._distributed_c10d._set_thread_isolation_mode(True)
     _install_threaded_pg()
     try:
-        with _flat_buffer_collectives(), _loss_parallel_shared_by_threads():
+        with _flat_buffer_collectives(), _loss_parallel_shared_by_threads(), point_to_point():
             for thread in threads:
                 thread.start()
             hung = _join(threads)

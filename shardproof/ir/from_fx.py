@@ -1307,6 +1307,33 @@ def _f_reduce_scatter(lo: Lowerer, x, op: str, group_size: int, group_name) -> i
     return lo.emit("reduce_scatter", (lo.tensor(x),), (0, op, lo.group_ranks(group_name)))
 
 
+def _send(lo: Lowerer, tensors, group, peer: int, tag: int) -> None:
+    """`dist.send`/`isend` (and their P2POps in `batch_isend_irecv`): one message per tensor to the
+    group's rank `peer`, named by its global rank (relations/messages.py pairs it with its recv)."""
+    for tensor in tensors:
+        value = lo.tensor(tensor)
+        lo.emit("send", (value,), _channel(lo, group, peer, tag), lo.shape(value), lo.dtype(value))
+
+
+def _recv(lo: Lowerer, tensors, group, peer: int, tag: int) -> tuple:
+    """`dist.recv`/`irecv` write the message from the group's rank `peer` into each tensor."""
+    values = [lo.tensor(t) for t in tensors]
+    attrs = _channel(lo, group, peer, tag)
+    return ([lo.emit("recv", (), attrs, lo.shape(v), lo.dtype(v)) for v in values], None)
+
+
+def _channel(lo: Lowerer, group: Any, peer: int, tag: int) -> tuple[int, int, tuple[int, ...]]:
+    ranks = lo.group_ranks(group)
+    if not isinstance(peer, int) or not 0 <= peer < len(ranks):
+        raise UnsupportedOp(f"a message to or from rank {peer} of a group of {len(ranks)} ranks", _at(lo.location(lo.current)))
+    return (ranks[peer], tag, ranks)
+
+
+def _recv_any_source(lo: Lowerer, *args) -> None:
+    raise UnsupportedOp("recv from any source (the sender decides at run time; name the source rank)",
+                        _at(lo.location(lo.current)))
+
+
 _UNARY = ["neg", "exp", "log", "sqrt", "rsqrt", "reciprocal", "relu", "silu", "sigmoid", "tanh", "erf", "sin", "cos", "abs"]
 _COMPARE = ["lt", "le", "gt", "ge", "eq", "ne"]
 
@@ -1408,6 +1435,9 @@ _LOWER: dict[str, Callable[..., Value]] = {
     "c10d._allgather_base_": _all_gather_base,
     "c10d.allgather_into_tensor_coalesced_": None,
     "c10d._reduce_scatter_base_": _reduce_scatter_base,
+    "c10d.send": _send,
+    "c10d.recv_": _recv,
+    "c10d.recv_any_source_": _recv_any_source,
     "_c10d_functional.all_reduce": _f_all_reduce,
     "_c10d_functional.all_gather_into_tensor": _f_all_gather,
     "_c10d_functional.reduce_scatter_tensor": _f_reduce_scatter,

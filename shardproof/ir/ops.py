@@ -26,7 +26,7 @@ Impl = Callable[[list[torch.Tensor], tuple[Any, ...]], torch.Tensor]
 class OpSpec:
     name: str
     kind: str  # ours: leaf const layout unary binary compare where reduce softmax matmul embedding gather scatter mask
-    # collective call; open ops: pointwise reduction random opaque (ir/aten_ops.py)
+    # collective p2p call; open ops: pointwise reduction random opaque (ir/aten_ops.py)
     impl: Impl | None
     doc: str
 
@@ -110,6 +110,10 @@ _SPECS = [
     OpSpec("all_reduce", "collective", None, "sum, mean or max (attrs[0]) over the group attrs[1]"),
     OpSpec("all_gather", "collective", None, "concatenate every rank's tensor along attrs[0] over group attrs[1]"),
     OpSpec("reduce_scatter", "collective", None, "sum over ranks, this rank keeps chunk rank of dim attrs[0]"),
+    OpSpec("send", "p2p", None, "send the input to global rank attrs[0] with tag attrs[1] over the group attrs[2]; "
+           "its value is the tensor sent (relations/messages.py)"),
+    OpSpec("recv", "p2p", None, "the tensor global rank attrs[0] sends this rank with tag attrs[1] over the group "
+           "attrs[2], the k-th recv of a channel pairing with its k-th send (relations/messages.py)"),
     OpSpec("call", "call", None, "output attrs[1] of a repeated module's graph attrs[0] on the inputs (shardproof.partition)"),
 ]
 
@@ -146,6 +150,11 @@ def _open_spec(op: str) -> OpSpec:
 
 
 OPS = OpTable(_SPECS)
+
+
+def waits_for_peers(op: str) -> bool:
+    """Whether `op`'s value comes from other ranks (a collective, a message): a rank waits there."""
+    return OPS[op].kind in ("collective", "p2p")
 
 
 def run_op(op: str, inputs: list[torch.Tensor], attrs: tuple[Any, ...]) -> torch.Tensor:

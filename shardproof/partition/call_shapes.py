@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Hashable, Sequence
 
 from shardproof.ir.graph import Graph, Node
-from shardproof.ir.ops import OPS
+from shardproof.ir.ops import waits_for_peers
 from shardproof.ir.rank_expr import frozen
 from shardproof.partition.rank_classes import RankClass
 from shardproof.partition.structure import structural
@@ -80,7 +80,7 @@ def _ops(nodes: Sequence[Node], inputs: tuple[int, ...]) -> Ops | None:
             if i in index:
                 continue
             node = nodes[i]
-            if node.op in ("leaf", "call") or OPS[node.op].kind == "collective":
+            if node.op in ("leaf", "call") or waits_for_peers(node.op):
                 index[i] = len(entries)
                 entries.append(("atom", len(atoms), node.shape, node.dtype))
                 atoms.append(i)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Hashable, Iterator
 
 from shardproof.ir.graph import BOUND_LEAF_PREFIX, Graph
-from shardproof.ir.ops import OPS
+from shardproof.ir.ops import waits_for_peers
 from shardproof.partition.boundary import Boundary, NotPartitioned, build_entries, read_boundary, transplant
 from shardproof.partition.call_shapes import Ops, argument_ops, call_shape
 from shardproof.partition.gradients import over_reference_gradients
@@ -31,6 +31,7 @@ from shardproof.partition.structure import derived, structural
 from shardproof.partition.templates import Template, expand
 from shardproof.relations.diagnose import grounded
 from shardproof.relations.execute import CollectiveMismatch, Execution, resolve_collective, term_of
+from shardproof.relations.messages import Mailbox
 from shardproof.relations.rules import Rules
 
 Bindings = dict[str, int]  # leaf name -> term: a template's `arg:i` leaves, bound reference outputs
@@ -296,17 +297,19 @@ def run_ranks(
     cursors = [0] * len(graphs)
     calls = [instances(g) for g in graphs] if ref_calls else []
     done = 0  # calls resolved so far (the same count on every rank)
+    mailbox = Mailbox()
     while True:
         for r, graph in enumerate(graphs):
             cursors[r] = _next_sync(graph, cursors[r])
             terms[r].reach(cursors[r])
         pending = [r for r, g in enumerate(graphs) if cursors[r] < len(g.nodes)]
         if not pending:
+            mailbox.check_delivered()
             return terms
         at_collective = [r for r in pending if graphs[r].nodes[cursors[r]].op != "call"]
         if at_collective:
             before = list(cursors)
-            resolve_collective(rules, graphs, terms, cursors, at_collective)
+            resolve_collective(rules, graphs, terms, cursors, at_collective, mailbox)
             if cursors == before:  # never expected: a collective resolved always moves its group on
                 raise NotPartitioned("no collective could be resolved")
             continue
@@ -334,8 +337,8 @@ def _next_sync(graph: Graph, start: int) -> int:
 
 
 def _syncs(graph: Graph) -> list[int]:
-    """Where a rank waits for the others (a call, a collective), then the end."""
-    return [n.id for n in graph.nodes if n.op == "call" or OPS[n.op].kind == "collective"] + [len(graph.nodes)]
+    """Where a rank waits for the others (a call, a collective, a message), then the end."""
+    return [n.id for n in graph.nodes if n.op == "call" or waits_for_peers(n.op)] + [len(graph.nodes)]
 
 
 class Terms:

@@ -3,7 +3,8 @@
 Ranks run in lock-step: each advances to its next collective, then the collective is resolved
 for its whole group at once with its exact meaning (all_reduce = sum of the group's terms,
 all_gather = concatenation in group order, reduce_scatter = this rank's chunk of the sum; a MAX
-reduction is the elementwise max of the group's terms).
+reduction is the elementwise max of the group's terms). A recv receives the term its sender sent
+(relations/messages.py).
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from shardproof.ir.graph import BOUND_LEAF_PREFIX, Graph, Node
-from shardproof.ir.ops import OPS
+from shardproof.ir.ops import OPS, waits_for_peers
 from shardproof.relations.layout import box_along
+from shardproof.relations.messages import Mailbox
 from shardproof.relations.rules import Rules
 
 
@@ -41,6 +43,7 @@ def execute(reference: Graph, ranks: list[Graph], rules: Rules | None = None) ->
     bound = {f"{BOUND_LEAF_PREFIX}{i}": ref_terms[out] for i, out in enumerate(reference.outputs)}
     rank_terms: list[list[int]] = [[] for _ in ranks]
     cursors = [0] * len(ranks)
+    mailbox = Mailbox()
     while True:
         for r, graph in enumerate(ranks):
             stop = _next_collective(graph, cursors[r])
@@ -48,13 +51,14 @@ def execute(reference: Graph, ranks: list[Graph], rules: Rules | None = None) ->
             cursors[r] = stop
         pending = [r for r, g in enumerate(ranks) if cursors[r] < len(g.nodes)]
         if not pending:
+            mailbox.check_delivered()
             return Execution(rules, ref_terms, rank_terms)
-        resolve_collective(rules, ranks, rank_terms, cursors, pending)
+        resolve_collective(rules, ranks, rank_terms, cursors, pending, mailbox)
 
 
 def _next_collective(graph: Graph, start: int) -> int:
     for i in range(start, len(graph.nodes)):
-        if OPS[graph.nodes[i].op].kind == "collective":
+        if waits_for_peers(graph.nodes[i].op):
             return i
     return len(graph.nodes)
 
@@ -85,22 +89,28 @@ def term_of(rules: Rules, node: Node, terms: list[int], rank: int | None, bound:
 
 
 def resolve_collective(
-    rules: Rules, ranks: list[Graph], terms: list[list[int]], cursors: list[int], pending: list[int]
+    rules: Rules, ranks: list[Graph], terms: list[list[int]], cursors: list[int], pending: list[int], mailbox: Mailbox
 ) -> None:
-    """Resolve one collective that every member of its group has reached. Ranks outside the group
-    may wait at collectives of other groups (a 2-D mesh interleaves its TP and DP groups); when
-    no group is complete, the ranks would hang."""
+    """Move ranks past their sends and the recvs whose messages have come, or else resolve one
+    collective that every member of its group has reached. Ranks outside the group may wait at
+    collectives of other groups (a 2-D mesh interleaves its TP and DP groups); when no group is
+    complete and no message comes, the ranks would hang."""
+    if mailbox.progress(ranks, terms, cursors, pending):
+        return
     for first in pending:
         node = ranks[first].nodes[cursors[first]]
         group = _group_of(node)
         members = [(r, _waiting_at(ranks, cursors, r)) for r in group]
-        if any(n is None or _group_of(n) != group for _, n in members):
+        if OPS[node.op].kind == "p2p" or any(n is None or _group_of(n) != group or OPS[n.op].kind == "p2p" for _, n in members):
             continue
         mismatched = [(r, n) for r, n in members if n.op != node.op or n.shape != node.shape]
         if mismatched:
             raise _mismatch(first, node, mismatched)
         _exchange(rules, ranks, terms, cursors, group)
         return
+    stuck = mailbox.waiting_recv(ranks, cursors, pending)
+    if stuck is not None:
+        raise stuck
     first = pending[0]
     node = ranks[first].nodes[cursors[first]]
     waiting = [(r, _waiting_at(ranks, cursors, r)) for r in _group_of(node)]

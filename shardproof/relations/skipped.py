@@ -15,7 +15,7 @@ from shardproof.ir.graph import Graph, Node
 from shardproof.ir.ops import OPS
 from shardproof.relations.execute import Execution
 
-MOVING = {"leaf", "const", "layout", "collective"}  # op kinds that compute no new values
+MOVING = {"leaf", "const", "layout", "collective", "p2p"}  # op kinds that compute no new values
 Line = tuple[str, int]
 
 
