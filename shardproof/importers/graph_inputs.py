@@ -21,6 +21,9 @@ class GraphInput:
     constant: bool = False  # a constant whose values the dump does not show
 
 
+Axis = tuple[int, tuple[int, ...]]  # a mesh axis as one rank sees it: its tile index, the ranks holding the tiles in order
+
+
 @dataclass
 class ImportedGraph:
     graph: Graph
@@ -29,6 +32,15 @@ class ImportedGraph:
     output_names: list[str] = field(default_factory=list)
     labels: dict[str, str] = field(default_factory=dict)  # input name -> a parameter name the dump records
     gradient_of: dict[int, str] = field(default_factory=dict)  # output position -> the input it is the gradient of
+    axes: list[Axis] = field(default_factory=list)  # the mesh axes the dump states inputs are split over
+    split: dict[str, dict[int, int]] = field(default_factory=dict)  # input name -> {dim: index in `axes`}
+
+    def split_along(self, name: str, dim: int, axis: Axis) -> None:
+        """Record that the dump states input `name` is split along `dim` over `axis`: the mesh
+        axes an output that the dump does not state the sharding of may be split over."""
+        if axis not in self.axes:
+            self.axes.append(axis)
+        self.split.setdefault(name, {})[dim] = self.axes.index(axis)
 
     def add_input(self, name: str, shape: tuple[int, ...], dtype: str, constant: bool = False) -> int:
         node = self.graph.add("leaf", (), (name,), tuple(shape), dtype, name)

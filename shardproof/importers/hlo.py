@@ -94,6 +94,9 @@ class _Lowering:
         if tiling is None or not tiling.sharded:
             return self.imported.add_input(instruction.name, dims, dtype)
         full = tuple(size * count for size, (_, count, _) in zip(dims, tiling.dims))
+        for dim, (index, count, members) in enumerate(tiling.dims):
+            if count > 1:
+                self.imported.split_along(instruction.name, dim, (index, members))
         return self.cut(self.imported.add_input(instruction.name, full, dtype), tiling)
 
     def _partitioned(self) -> bool:

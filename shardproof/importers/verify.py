@@ -9,9 +9,10 @@ contain the checkpoint loader: equivalence holds for inputs cut that way.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -26,6 +27,7 @@ from shardproof.layouts import Layout
 from shardproof.programs import Captured, Check, Output
 from shardproof.report.model import Report
 
+Split = tuple[tuple[int, int], ...]  # an output's tile: (dim, index of the mesh axis splitting it in ImportedGraph.axes)
 MAX_ATTEMPTS = 12  # proofs tried over candidate layouts before reporting the most plausible one
 
 
@@ -39,23 +41,40 @@ class ImportedPair:
     compared: list[int]  # indices of the reference outputs compared
     checks: list[Check]  # one per compared output, over the restricted outputs
     seconds: float
+    splits: dict[int, list[Split]] = field(default_factory=dict)  # output -> how it may be split, where the dump does not say
 
-    def captured(self, layouts: list[Layout]) -> Captured:
-        """Reference and rank graphs over the same leaves, with these input layouts."""
+    def captured(self, layouts: list[Layout], splits: dict[int, Split] | None = None) -> Captured:
+        """Reference and rank graphs over the same leaves, with these input layouts, each rank's
+        outputs gathered over the mesh axes `splits` reads them as split over (default: the first
+        reading of each)."""
         n = self.distributed.world_size
+        splits = self.first_splits() if splits is None else splits
         values = {p.ref.name: layout.value for p, layout in zip(self.pairs, layouts) if layout.kind == "value"}
-        ranks = [rank_graph(g, self.pairs, layouts, r, n) for r, g in enumerate(self.distributed.graphs)]
+        ranks = [_gathered(rank_graph(g, self.pairs, layouts, r, n), g, splits) for r, g in enumerate(self.distributed.graphs)]
         ranks = [_restricted(with_values(g, values), self.compared) for g in ranks]
         reference = with_values(self.reference.graphs[0].graph, values)
         return Captured(_restricted(reference, self.compared), ranks, self.checks, self.seconds)
 
-    def candidate(self, layouts: list[Layout]) -> Candidate:
+    def first_splits(self) -> dict[int, Split]:
+        return {i: found[0] for i, found in self.splits.items()}
+
+    def readings(self) -> Iterator[dict[int, Split]]:
+        """The first reading of every split output, then each other reading of one at a time."""
+        first = self.first_splits()
+        yield first
+        for i, found in self.splits.items():
+            for other in found[1:]:
+                yield {**first, i: other}
+
+    def candidate(self, layouts: list[Layout], splits: dict[int, Split] | None = None) -> Candidate:
         """These input layouts as a reading for the driver, stating what it takes as given: input
         layouts, process groups, the outputs compared; and the constants the dumps do not show,
         which it leaves as unknown inputs (a discrepancy may then hold only for some of their values)."""
-        captured = self.captured(layouts)
+        splits = self.first_splits() if splits is None else splits
+        captured = self.captured(layouts, splits)
         reference = self.reference.graphs[0]
         inputs = [p.describe(layout, reference) for p, layout in zip(self.pairs, layouts)]
+        inputs += [self._describe_split(i, split) for i, split in sorted(splits.items())]
         inputs += [f"process group `{g}`: ranks {list(ranks)}" for g, ranks in sorted(self.distributed.groups.items())]
         elided = _unrecorded(self.pairs, layouts)
         return Candidate(
@@ -71,6 +90,14 @@ class ImportedPair:
                 f"if the programs need them, pin them with --relations, e.g. {{\"{elided[0]}\": {{\"value\": 0}}}}"
             ) if elided else "",
         )
+
+
+    def _describe_split(self, output: int, split: Split) -> str:
+        """`output 0 = Shard(0) over ranks [[0, 2], [1, 3]]`, saying it was inferred."""
+        ranks = self.distributed.graphs
+        parts = [f"Shard({dim}) over ranks {sorted(list(m) for m in {g.axes[axis][1] for g in ranks})}" for dim, axis in split]
+        return f"output {output} = the reference's, {' and '.join(parts)} (the dump does not state its sharding; " \
+               "inferred from the mesh axes it splits inputs over)"
 
 
 def import_pair(
@@ -89,8 +116,8 @@ def import_pair(
     pairs = pair_inputs(ref.graphs[0], dist.graphs[0], dist.world_size)
     if relations is not None:
         pin(pairs, ref.graphs[0], relations)
-    compared, checks = _outputs(ref.graphs[0], dist.graphs[0], dist.world_size)
-    return ImportedPair(ref, dist, pairs, compared, checks, time.perf_counter() - start)
+    compared, checks, splits = _outputs(ref.graphs[0], dist.graphs[0], dist.world_size)
+    return ImportedPair(ref, dist, pairs, compared, checks, time.perf_counter() - start, splits)
 
 
 def _as_many_outputs_on_every_rank(program: Program) -> None:
@@ -142,8 +169,9 @@ def verify_graphs(
     def front_end() -> Iterator[Candidate]:
         progress("importing")
         pair = import_pair(reference, distributed, format, relations)
-        for layouts in _assignments(pair.pairs):
-            yield pair.candidate(layouts)
+        for splits in pair.readings():
+            for layouts in _assignments(pair.pairs):
+                yield pair.candidate(layouts, splits)
 
     return verify_candidates(front_end, progress=progress)
 
@@ -166,10 +194,12 @@ def _assignments(pairs: list[Pairing]) -> Iterator[list[Layout]]:
             yield first[:i] + [alternative] + first[i + 1 :]
 
 
-def _outputs(ref: ImportedGraph, dist: ImportedGraph, n: int) -> tuple[list[int], list[Check]]:
+def _outputs(ref: ImportedGraph, dist: ImportedGraph, n: int) -> tuple[list[int], list[Check], dict[int, list[Split]]]:
     """Which outputs to compare and how: all, position by position, when both return as many;
     else the leading outputs both name alike (an AOTAutograd forward returns the user's outputs
-    first, then the tensors it saves for backward, which differ between the programs)."""
+    first, then the tensors it saves for backward, which differ between the programs). An output
+    that is neither a replica nor one of n shards may be split over mesh axes the dump states
+    for its inputs (a 2-D mesh's data-parallel axis): each such reading is gathered and compared whole."""
     ref_out, dist_out = ref.graph.outputs, dist.graph.outputs
     if len(ref_out) == len(dist_out):
         indices = list(range(len(ref_out)))
@@ -181,18 +211,47 @@ def _outputs(ref: ImportedGraph, dist: ImportedGraph, n: int) -> tuple[list[int]
             indices.append(i)
     if not indices:
         raise CaseError(f"{dist.path}: no outputs to compare with the reference's ({len(ref_out)} vs {len(dist_out)})")
-    checks = []
+    checks, splits = [], {}
     for position, i in enumerate(indices):
         full, local = ref.graph[ref_out[i]].shape, dist.graph[dist_out[i]].shape
         dims = [d for d, (f, l) in enumerate(zip(full, local)) if f != l]
+        layout: Output = ("replicate",)
         if full == local:
-            layout: Output = ("replicate",)
+            pass
         elif len(full) == len(local) and len(dims) == 1 and full[dims[0]] == local[dims[0]] * n:
             layout = ("shard", dims[0])
+        elif len(full) == len(local) and _mesh_splits(dist, full, local):
+            splits[i] = _mesh_splits(dist, full, local)
         else:
             raise CaseError(f"{dist.path}: output {i} {list(local)} is no replica or shard of the reference's {list(full)}")
         checks.append(Check(_output_label(ref, i), position, position, layout))
-    return indices, checks
+    return indices, checks, splits
+
+
+def _mesh_splits(dist: ImportedGraph, full: tuple[int, ...], local: tuple[int, ...]) -> list[Split]:
+    """The ways `local` may be a tile of `full` split over the mesh axes the dump states its
+    inputs are split over, one axis per split dim: first the axes that split an input of the
+    same shape along the same dim (a residual stream keeps its batch's layout)."""
+    options = []
+    for dim, (f, l) in enumerate(zip(full, local)):
+        if f == l:
+            continue
+        fitting = [k for k, (_, members) in enumerate(dist.axes) if l * len(members) == f]
+        alike = {by[dim] for i in dist.inputs if i.shape == full for by in [dist.split.get(i.name, {})] if dim in by}
+        options.append([(dim, k) for k in sorted(fitting, key=lambda k: k not in alike)])
+    return [split for split in itertools.product(*options) if len({k for _, k in split}) == len(split)]
+
+
+def _gathered(graph: Graph, dist: ImportedGraph, splits: dict[int, Split]) -> Graph:
+    """The rank's graph with each split output all-gathered over its axes: the whole output."""
+    for i, split in splits.items():
+        out = graph[graph.outputs[i]]
+        for dim, axis in split:
+            members = dist.axes[axis][1]
+            shape = tuple(s * len(members) if d == dim else s for d, s in enumerate(out.shape))
+            out = graph[graph.add("all_gather", (out.id,), (dim, members), shape, out.dtype, f"{out.name}_gathered", out.loc)]
+        graph.outputs[i] = out.id
+    return graph
 
 
 def _restricted(graph: Graph, outputs: list[int]) -> Graph:

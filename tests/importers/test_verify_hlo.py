@@ -134,3 +134,47 @@ def test_neuron_llama_with_qkv_as_a_plain_chunk_is_not_proven(tmp_path: Path) ->
     pinned = write(tmp_path / "rel.json", json.dumps({"p9.10": {"layout": "shard", "dim": 1}}))
     report = verify_graphs(LLAMA / "tp1_layer1", LLAMA / "tp2_layer1", relations=pinned)
     assert report.verdict != "equivalent"
+
+
+def mesh_product(sharded: bool, reduce: bool = True) -> str:
+    """x @ w on a 2x2 (dp, tp) mesh as XLA's SPMD partitioner leaves it: x split over dp (ranks
+    0,1 | 2,3) on its batch and over tp (ranks 0,2 | 1,3) on its columns, w over tp on its rows,
+    the partial products all-reduced over tp (unless `reduce` is False: the bug). The output's
+    sharding (the batch over dp) is stated nowhere; the reference is the module on one device."""
+    batch, rows = (1, 2) if sharded else (2, 4)
+    x_sharding = ", sharding={devices=[2,2]<=[4]}" if sharded else ""
+    w_sharding = ", sharding={devices=[2,1,2]<=[2,2]T(1,0) last_tile_dim_replicate}" if sharded else ""
+    reduced = sharded and reduce
+    return "\n".join(
+        [
+            f"HloModule mesh{', num_partitions=4' if sharded else ''}",
+            ADD,
+            f"ENTRY %main (x: f32[{batch},{rows}], w: f32[{rows},3]) -> f32[{batch},3] {{",
+            f"  %x = f32[{batch},{rows}] parameter(0){x_sharding}",
+            f"  %w = f32[{rows},3] parameter(1){w_sharding}",
+            f"  %y = f32[{batch},3] dot(%x, %w), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}",
+            *([f"  %summed = f32[{batch},3] all-reduce(%y), replica_groups={{{{0,1}},{{2,3}}}}, to_apply=%add"] if reduced else []),
+            f"  ROOT %out = f32[{batch},3] copy({'%summed' if reduced else '%y'})",
+            "}",
+        ]
+    )
+
+
+@pytest.mark.parametrize("reduce", [True, False])
+def test_an_output_split_over_one_axis_of_a_2d_mesh_is_gathered_over_the_axis_the_inputs_state(tmp_path: Path, reduce: bool) -> None:
+    """A rank's output is neither a replica nor one of 4 shards: the readings are the mesh axes the
+    inputs' shardings state (dp first, then tp); the one that proves is stated in the report, and
+    a missing reduction is a discrepancy under every reading."""
+    ref = write(tmp_path / "ref.hlo", mesh_product(False))
+    dist = write(tmp_path / "dist.hlo", mesh_product(True, reduce))
+    report = verify_graphs(ref, dist)
+    assert report.verdict == ("equivalent" if reduce else "discrepancy"), report.message
+    pair = import_pair(ref, dist)
+    readings = list(pair.readings())
+    assert len(readings) == 2
+    for splits in readings:
+        captured = pair.captured([p.candidates[0] for p in pair.pairs], splits)
+        agree = run_graphs(captured.reference, captured.ranks, captured.checks).agree
+        assert agree == (reduce and splits == readings[0])
+    if reduce:
+        assert any("Shard(0) over ranks [[0, 2], [1, 3]]" in line for line in report.inputs)

@@ -318,3 +318,21 @@ def test_matmul_with_a_matrix_broadcast_over_the_batch_is_the_product_with_the_m
     y = b.op("matmul", x, over_experts(b, w, 1))
     b.check(y)
     assert y.term == b.op("matmul", x, w).term
+
+
+@SETTINGS
+@given(st.integers(1, 3), st.integers(1, 4), st.booleans(), st.booleans())
+def test_a_product_with_a_reciprocal_is_a_division(rows, cols, broadcast, first):
+    """x * (1/y) and (1/y) * x, y perhaps broadcast along the columns, are x / y: the softmax
+    gradient XLA divides on one side and multiplies by the reciprocal on the other."""
+    b = Build()
+    x = b.leaf("x", (rows, cols))
+    y = b.leaf("y", (rows, 1) if broadcast else (rows, cols))
+    one = b.scalar(1.0, y.shape)
+    reciprocal = b.op("div", one, y)
+    if broadcast:
+        reciprocal = b.expand(reciprocal, (rows, cols))
+    product = b.op("mul", reciprocal, x) if first else b.op("mul", x, reciprocal)
+    b.check(product)
+    divisor = b.expand(y, (rows, cols)) if broadcast else y
+    assert product.term == b.op("div", x, divisor).term

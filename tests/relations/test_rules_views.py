@@ -213,6 +213,23 @@ def test_view_merging_the_cat_dim_of_one_row_parts_joins_them_along_the_next_dim
     assert stacked.term == b.view(b.cat([p, q], 1), (4, 3)).term
 
 
+@SETTINGS
+@given(st.integers(1, 3), st.integers(2, 4), st.integers(1, 3), st.integers(1, 3))
+def test_sequence_slices_gathered_along_a_new_axis_and_flattened_are_the_whole_flattened(batch, ranks, chunk, hidden):
+    """XLA's all-gather of sequence shards: each rank's slice (b, c, d) given a new size-1 axis
+    (b, 1, c, d), gathered along it and flattened to rows is the whole (b, n*c, d) flattened: a
+    broadcast that only inserts size-1 dims reshapes as its base."""
+    b = Build()
+    x = b.leaf("x", (batch, ranks * chunk, hidden))
+    parts = [b.view(b.sl(x, 1, r * chunk, (r + 1) * chunk), (batch, 1, chunk, hidden)) for r in range(ranks)]
+    rows = b.view(b.cat(parts, 1), (batch * ranks * chunk, hidden))
+    b.check(rows)
+    assert rows.term == b.view(x, (batch * ranks * chunk, hidden)).term
+    moved = b.view(b.view(x, (batch, 1, ranks * chunk, hidden)), (batch, ranks, chunk, hidden))
+    b.check(moved)
+    assert moved.term == b.view(x, (batch, ranks, chunk, hidden)).term
+
+
 def test_view_of_a_broadcast_drops_broadcast_size_one_dims_before_the_bases():
     """One kv head's gradient at a batch of one, summed over its query heads, (1, 1, 1, s, d) ->
     (1, 1, s, d), with only the middle size-1 dim the base's own: the two broadcast ones are

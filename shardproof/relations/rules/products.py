@@ -58,6 +58,12 @@ def mul(r: Rules, args, attrs, shape, dtype) -> int:
     if scaled is not None:
         return scaled
     for i, a in enumerate(args):
+        divisor = _reciprocal_of(r, a) if dtype in FLOAT_DTYPES else None
+        if divisor is not None and r.shape(args[1 - i]) == shape:
+            # x * (1/y) is x / y: compilers write a division either way (XLA's softmax gradient
+            # divides on one side of a partition and multiplies by the reciprocal on the other)
+            return r.build("div", (args[1 - i], divisor), (), shape, dtype)
+    for i, a in enumerate(args):
         other = args[1 - i]
         if r.op(a) == "piece" and r.op(other) != "piece":
             return r._map_linear(a, lambda t: r.build("mul", (t, other), attrs, shape, dtype), shape)
@@ -71,6 +77,19 @@ def mul(r: Rules, args, attrs, shape, dtype) -> int:
         if absorbed is not None:
             return absorbed
     return elementwise(r, "mul", args, attrs, shape, dtype)
+
+
+def _reciprocal_of(r: Rules, t: int) -> int | None:
+    """y where `t` is 1/y, perhaps reshaped or broadcast (then y reshaped or broadcast alike)."""
+    term = r.u[t]
+    if term.op in ("bcast", "view"):
+        inner = _reciprocal_of(r, term.args[0])
+        if inner is None:
+            return None
+        return r.bcast(inner, term.shape, term.attrs[0]) if term.op == "bcast" else r.view(inner, term.shape)
+    if term.op == "div" and r.full_value(term.args[0]) == 1 and r.shape(term.args[1]) == term.shape:
+        return term.args[1]
+    return None
 
 
 def _cast_mask(r: Rules, t: int) -> int | None:

@@ -29,6 +29,11 @@ class ViewRules:
             moved = self._view_bcast(x, shape)
             if moved is not None:
                 return moved
+            if _reshaped_from(term) is not None:
+                # a broadcast that only inserts size-1 dims is a reshape too, one that the groups
+                # above may not follow: a rank's slice given a new axis to all-gather along, then
+                # flattened with it
+                return self.view(term.args[0], shape)
         if term.op == "slice":
             root, region = term.args[0], term.attrs[0]
         elif term.op == "cat":  # a cat may be a region too: a head range padded with zeros
