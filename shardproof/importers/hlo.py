@@ -623,9 +623,26 @@ def _starts(lo: _Lowering, ins: Instruction, first: int, sizes: tuple[int, ...],
 def _dynamic_slice(lo: _Lowering, ins: Instruction) -> int:
     value = lo.operand(ins, 0)
     sizes = int_list(lo.attr(ins, "dynamic_slice_sizes"))
-    for dim, start in enumerate(_starts(lo, ins, 1, sizes, lo.b.shape(value))):
+    starts = _starts(lo, ins, 1, sizes, lo.b.shape(value))
+    lo.b.at(ins.name, _offset_site(lo, ins.operands[1:]) or lo.b.loc)
+    for dim, start in enumerate(starts):
         value = lo.b.slice(value, dim, start, start + sizes[dim])
     return value
+
+
+def _offset_site(lo: _Lowering, operands: list[str]) -> Location | None:
+    """Where the user computed a slice's offsets, when on another line of the slice's file than
+    the slice (`start = axis_index(...) * chunk` before `dynamic_slice(x, start, ...)`): the
+    slice's site, since a rank's slice at a wrong offset is fixed where the offset is computed."""
+    own = lo.b.loc
+    if own is None:
+        return None
+    computed = [
+        node for operand in operands for node in lo.graph.ancestors(lo.graph[lo.env[operand]])
+        if node.op not in ("leaf", "const") and node.loc is not None and node.loc.file == own.file and node.loc.line != own.line
+    ]
+    latest = max(computed, key=lambda node: node.id, default=None)
+    return None if latest is None else Location(own.file, latest.loc.line, own.code)
 
 
 def _dynamic_update_slice(lo: _Lowering, ins: Instruction) -> int:

@@ -168,7 +168,7 @@ def test_an_output_split_over_one_axis_of_a_2d_mesh_is_gathered_over_the_axis_th
     ref = write(tmp_path / "ref.hlo", mesh_product(False))
     dist = write(tmp_path / "dist.hlo", mesh_product(True, reduce))
     report = verify_graphs(ref, dist)
-    assert report.verdict == ("equivalent" if reduce else "discrepancy"), report.message
+    assert report.verdict == ("equivalent" if reduce else "discrepancy"), report.diagnosis
     pair = import_pair(ref, dist)
     readings = list(pair.readings())
     assert len(readings) == 2
@@ -178,3 +178,63 @@ def test_an_output_split_over_one_axis_of_a_2d_mesh_is_gathered_over_the_axis_th
         assert agree == (reduce and splits == readings[0])
     if reduce:
         assert any("Shard(0) over ranks [[0, 2], [1, 3]]" in line for line in report.inputs)
+
+
+def sequence_gather(new_axis: int | None, shift: int = 0) -> str:
+    """x doubled; on 2 ranks (`new_axis` not None) each rank doubles its rows of x, taken by
+    `partition-id`, gives them a new size-1 axis at `new_axis`, all-gathers along it and flattens
+    back to rows: the whole in order when the new axis is ahead of the rows (0), interleaved when
+    behind them (1: the wrong axis). `shift` moves each rank's start by that many rows, on its own
+    line of model.py (23; the slice is on 24), as a user computes an offset from the rank."""
+    if new_axis is None:
+        body = ["%x = f32[4,3] parameter(0)", "ROOT %out = f32[4,3] add(%x, %x)"]
+    else:
+        stacked, gathered = ("f32[2,1,3]", "f32[2,2,3]") if new_axis else ("f32[1,2,3]", "f32[2,2,3]")
+        body = [
+            "%x = f32[4,3] parameter(0)",
+            "%id = u32[] partition-id()",
+            "%two = u32[] constant(2)",
+            "%base = u32[] multiply(%id, %two)",
+            f"%shift = u32[] constant({shift})",
+            '%start = u32[] add(%base, %shift), metadata={source_file="model.py" source_line=23}',
+            "%zero = u32[] constant(0)",
+            '%mine = f32[2,3] dynamic-slice(%x, %start, %zero), dynamic_slice_sizes={2,3}, metadata={source_file="model.py" source_line=24}',
+            "%doubled = f32[2,3] add(%mine, %mine)",
+            f"%stacked = {stacked} reshape(%doubled)",
+            f"%all = {gathered} all-gather(%stacked), replica_groups={{{{0,1}}}}, dimensions={{{new_axis}}}",
+            "ROOT %out = f32[4,3] reshape(%all)",
+        ]
+    return "\n".join(["HloModule sp", "ENTRY %main (x: f32[4,3]) -> f32[4,3] {", *(f"  {line}" for line in body), "}"])
+
+
+@pytest.mark.parametrize("new_axis", [0, 1])
+def test_shards_gathered_along_a_new_axis_behind_the_rows_are_the_wrong_axis(tmp_path: Path, new_axis: int) -> None:
+    """A rank's rows gathered along a new axis ahead of them are the whole; behind them the rows
+    interleave: a discrepancy at the all-gather (wrong axis), confirmed by the numbers."""
+    ref = write(tmp_path / "ref.hlo", sequence_gather(None))
+    dist = write(tmp_path / "dist.hlo", sequence_gather(new_axis))
+    report = verify_graphs(ref, dist)
+    pair = import_pair(ref, dist)
+    captured = pair.captured([p.candidates[0] for p in pair.pairs])
+    assert run_graphs(captured.reference, captured.ranks, captured.checks).agree == (new_axis == 0)
+    if new_axis == 0:
+        assert report.verdict == "equivalent", report.diagnosis
+        return
+    assert report.verdict == "discrepancy" and report.kind == "wrong axis", report.diagnosis
+    assert "all-gather" in report.distributed[0].code and "confirmed numerically" in report.diagnosis
+
+
+def test_a_rank_slice_at_a_wrong_offset_gathered_is_found_where_the_offset_is_computed(tmp_path: Path) -> None:
+    """Rank 0 takes rows [1:3) (its start shifted by one), rank 1 [2:4) (clamped): gathered, they
+    overlap and leave row 0 out. The discrepancy names the slice, located at the line that
+    computed its offset, then the all-gather."""
+    ref = write(tmp_path / "ref.hlo", sequence_gather(None))
+    dist = write(tmp_path / "dist.hlo", sequence_gather(0, shift=1))
+    pair = import_pair(ref, dist)
+    captured = pair.captured([p.candidates[0] for p in pair.pairs])
+    assert not run_graphs(captured.reference, captured.ranks, captured.checks).agree
+    report = verify_graphs(ref, dist)
+    assert report.verdict == "discrepancy" and report.kind == "overlapping shards", report.diagnosis
+    assert "[1:3), [2:4)" in report.diagnosis and "confirmed numerically" in report.diagnosis
+    first, second = report.distributed[:2]
+    assert (first.line, first.op, second.op) == (23, "slice", "all_gather")

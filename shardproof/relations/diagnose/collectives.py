@@ -46,7 +46,7 @@ class CollectiveFaults:
                            [(rank, culprit), (rank, node)], scale=factor,
                            fix=f"scale {value_name(culprit)} by {want / have} more at {line_of(culprit)}, so that "
                            f"the term counts {want} times after the `{node.op}`")
-        return self._unexplained(rank, node)
+        return self._wrong_axis_finding(rank, node) or self._unexplained(rank, node)
 
     def _uneven_pieces(self, rank: int, node: Node, pieces: list[tuple[int, Fraction]]) -> Finding:
         ranges = sorted((self.r.u[p].attrs[1], self.r.u[p].attrs[2], c) for p, c in pieces)

@@ -80,6 +80,7 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
             found = (
                 self._uninitialised_read(rank, chain)
                 or self._misassembled_input(rank, node)
+                or self._overlapping_gather(rank, chain)
                 or self._mixing_reshape(rank, chain)
                 or self._misaligned_contraction(rank, chain)
                 or self._mismatched_lookup_mask(rank, chain)

@@ -53,6 +53,46 @@ class OverlappingShards:
         return Finding("discrepancy", "overlapping shards", message, sites + [(rank, first), (rank, collective)],
                        fix=f"make rank {rank} take its own chunk of its {OPERANDS[wrong]} operand at {line_of(cut)}")
 
+    def _overlapping_gather(self, rank: int, chain: list[Node]) -> Finding | None:
+        """An all-gather before the divergence whose members hold regions of one tensor that
+        overlap and leave gaps along the dim they differ in (a rank's slice at a wrong offset,
+        gathered): found at the slice that cut the part that is not its member's own chunk."""
+        graph = self.ranks[rank]
+        for gather in (n for n in graph.ancestors(chain[0]) if n.op == "all_gather"):
+            term = self.r.u[self.run.ranks[rank][gather.id]]
+            regions = [self.r.as_region(p) for p in term.args] if term.op == "cat" else []
+            if len({root for root, _ in regions}) != 1:
+                continue
+            boxes = [box for _, box in regions]
+            differing = [d for d in range(len(boxes[0])) if len({b[d] for b in boxes}) > 1]
+            if len(differing) != 1:
+                continue
+            dim, size = differing[0], self.r.shape(regions[0][0])[differing[0]]
+            faults = _faults([b[dim] for b in boxes], size)
+            if not faults:
+                continue
+            for position, member in enumerate(gather.attrs[-1]):
+                lo, hi = boxes[position][dim]
+                culprit = self._slice_at(member, gather, (lo, hi))
+                if culprit is not None and lo != position * (hi - lo):
+                    parts = ", ".join(f"[{b[dim][0]}:{b[dim][1]})" for b in boxes)
+                    return Finding(
+                        "discrepancy", "overlapping shards",
+                        f"wrong layout (overlapping shards): `all_gather` over ranks {list(gather.attrs[-1])} joins parts {parts} "
+                        f"of a dim of size {size}, which {faults}: {_cutting(self.ranks[member], culprit, position)}",
+                        [(member, culprit), (rank, gather)],
+                        fix=f"make rank {member} take its own chunk at {line_of(culprit)}",
+                    )
+        return None
+
+    def _slice_at(self, rank: int, gather: Node, span: Span) -> Node | None:
+        """The slice on `rank` that cut [lo:hi) of the part it contributes to `gather`."""
+        own = self.counterpart(rank, gather)
+        if own is None:
+            return None
+        graph = self.ranks[rank]
+        return next((n for n in graph.ancestors(graph[own.inputs[0]]) if n.op == "slice" and tuple(n.attrs[1:]) == span), None)
+
     def _cut(self, rank: int, operand: Node) -> Node | None:
         """The slice that cut this rank's operand at the wrong offset: the one it is a layout of
         (a runtime slice, or the loader's), else the loader slice of another chunk than the rank's

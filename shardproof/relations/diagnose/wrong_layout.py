@@ -155,9 +155,13 @@ class LayoutFaults:
             return None
         boxes = [box for _, box in regions]
         differing = {d for d in range(len(boxes[0])) if len({b[d] for b in boxes}) > 1}
-        if len(differing) == 1 and term.attrs[0] not in differing:
-            return term.attrs[0], differing.pop()
-        return None
+        if len(differing) != 1 or term.attrs[0] in differing:
+            return None
+        dim, split = term.attrs[0], differing.pop()
+        stacked = split == dim + 1 and all(self.r.shape(p)[dim] == 1 for p in term.args)
+        if stacked and all(a[split][1] == b[split][0] for a, b in zip(boxes, boxes[1:])):
+            return None  # consecutive parts stacked along a new axis ahead of their dim: the whole, reshaped
+        return dim, split
 
     def _wrong_operand(self, rank: int, node: Node) -> Finding:
         """The op has a reference twin; find the operand that holds the wrong data, and the
