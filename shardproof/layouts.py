@@ -4,7 +4,9 @@ A layout is `replicate` or `shard`: along one dim, the reference tensor is split
 (one block = a plain chunk; several = a fused weight such as QKV with GQA, or gate+up), and
 each block is chunked over the ranks, rank r keeping chunk r of every block, concatenated in
 block order. Micro-batches (gradient accumulation) are more chunks: with m micro-batches per
-rank, micro-batch i of rank r is chunk r*m + i.
+rank, micro-batch i of rank r is chunk r*m + i. A block may be cut into fewer chunks than
+that, a number dividing it: each chunk is then held by as many consecutive ranks (the kv heads
+of a fused QKV weight when there are fewer kv heads than ranks, replicated over their ranks).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ class Layout:
     dim: int = 0
     blocks: tuple[int, ...] = ()  # block boundaries in the reference dim, from 0 to its size
     micro: tuple[int, int] = (0, 1)  # (index, count) of micro-batches per rank
+    parts: tuple[int, ...] = ()  # chunks each block is cut into (empty: one per rank and micro-batch)
     value: float | None = None  # kind "value": the number taken for a constant
     why: str = ""  # kind "value": how the number was chosen
 
@@ -33,6 +36,8 @@ class Layout:
         what = f"as Shard({self.dim})"
         if len(self.blocks) > 2:
             what += f" in blocks {list(self.blocks)} (each block split over ranks)"
+        if self.parts:
+            what += f", cut in {list(self.parts)} chunks (a block of fewer chunks than ranks is replicated over consecutive ranks)"
         if self.micro[1] > 1:
             what += f", micro-batch {self.micro[0]} of {self.micro[1]}"
         return what
@@ -40,23 +45,31 @@ class Layout:
     def regions(self, rank: int, world_size: int) -> list[tuple[int, int]]:
         """The [start, end) ranges of the reference dim that this rank's tensor holds, in order."""
         index, count = self.micro
-        parts = world_size * count
+        total = world_size * count
         out = []
-        for lo, hi in zip(self.blocks, self.blocks[1:]):
+        for (lo, hi), parts in zip(zip(self.blocks, self.blocks[1:]), self.block_parts(total)):
             size = (hi - lo) // parts
-            start = lo + (rank * count + index) * size
+            start = lo + (rank * count + index) * parts // total * size
             out.append((start, start + size))
         return out
+
+    def block_parts(self, total: int) -> tuple[int, ...]:
+        """The chunks each block is cut into, `total` (ranks times micro-batches) by default."""
+        return self.parts or (total,) * (len(self.blocks) - 1)
 
     def fits(self, full: tuple[int, ...], local: tuple[int, ...], world_size: int) -> bool:
         if self.kind != "shard":
             return full == local
-        parts = world_size * self.micro[1]
+        total = world_size * self.micro[1]
         if len(full) != len(local) or self.blocks[0] != 0 or self.blocks[-1] != full[self.dim]:
             return False
-        blocks_fit = all((hi - lo) % parts == 0 and hi > lo for lo, hi in zip(self.blocks, self.blocks[1:]))
+        blocks = list(zip(self.blocks, self.blocks[1:]))
+        parts = self.block_parts(total)
+        if len(parts) != len(blocks):
+            return False
+        blocks_fit = all((hi - lo) % p == 0 and hi > lo and total % p == 0 for (lo, hi), p in zip(blocks, parts))
         others = all(f == l for d, (f, l) in enumerate(zip(full, local)) if d != self.dim)
-        return blocks_fit and others and full[self.dim] == local[self.dim] * parts
+        return blocks_fit and others and local[self.dim] == sum((hi - lo) // p for (lo, hi), p in zip(blocks, parts))
 
 
 def plain_layout(full: tuple[int, ...], local: tuple[int, ...], world_size: int, micro: tuple[int, int] = (0, 1)) -> Layout | None:

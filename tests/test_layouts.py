@@ -30,3 +30,14 @@ def test_take_cuts_a_tensor_as_the_ir_does() -> None:
             (want,) = run_graph(graph, {"x": full})
             torch.testing.assert_close(take(full, layout, rank, 2), want)
     assert torch.equal(take(full, Layout("shard", 1, (0, 12)), 1, 2), full.chunk(2, 1)[1])
+
+
+def test_blocks_cut_into_fewer_chunks_than_ranks_are_replicated_over_consecutive_ranks() -> None:
+    """QKV [0:8) [8:10) [10:12) over 4 ranks, q in 4 chunks, k and v in 2: rank r holds q chunk r
+    and kv chunk r // 2, and the layout fits the rank's 4 columns only."""
+    layout = Layout("shard", 1, (0, 8, 10, 12), parts=(4, 2, 2))
+    assert [layout.regions(r, 4) for r in range(4)] == [
+        [(0, 2), (8, 9), (10, 11)], [(2, 4), (8, 9), (10, 11)], [(4, 6), (9, 10), (11, 12)], [(6, 8), (9, 10), (11, 12)],
+    ]
+    assert layout.fits((3, 12), (3, 4), 4) and not layout.fits((3, 12), (3, 3), 4)
+    assert "cut in [4, 2, 2] chunks" in layout.describe()

@@ -110,8 +110,10 @@ def _candidates(
     bounds_ref: dict[int, set[int]], bounds_dist: dict[int, set[int]],
 ) -> list[Layout]:  # fmt: skip
     plain = plain_layout(full, local, n, micro)
-    if plain is None or plain.kind == "replicate":
-        return [plain] if plain else []
+    if plain is None:
+        return _replicated_blocks(full, local, n, micro, bounds_ref, bounds_dist)
+    if plain.kind == "replicate":
+        return [plain]
     parts, dim = n * micro[1], plain.dim
     size = full[dim]
     seen_ref = tuple(sorted(bounds_ref.get(size, set()) | {0, size}))
@@ -126,6 +128,29 @@ def _candidates(
         if layout not in layouts and layout.fits(full, local, n):
             layouts.append(layout)
     return layouts
+
+
+def _replicated_blocks(
+    full: tuple[int, ...], local: tuple[int, ...], n: int, micro: tuple[int, int],
+    bounds_ref: dict[int, set[int]], bounds_dist: dict[int, set[int]],
+) -> list[Layout]:  # fmt: skip
+    """A fused weight whose blocks are cut into different numbers of chunks (QKV with fewer kv
+    heads than ranks: q over every rank, each kv head on several), read off the blocks both
+    programs cut its one smaller dim at, matched in order: each block's chunk count is the ratio
+    of its sizes."""
+    dims = [d for d, (f, l) in enumerate(zip(full, local)) if f != l]
+    if len(dims) != 1 or len(full) != len(local):
+        return []
+    dim = dims[0]
+    ref_cuts = sorted(bounds_ref.get(full[dim], set()) | {0, full[dim]})
+    dist_cuts = sorted(bounds_dist.get(local[dim], set()) | {0, local[dim]})
+    if len(ref_cuts) != len(dist_cuts) or len(ref_cuts) < 3:
+        return []
+    sizes = [(b - a, d - c) for a, b, c, d in zip(ref_cuts, ref_cuts[1:], dist_cuts, dist_cuts[1:])]
+    if any(part == 0 or whole % part for whole, part in sizes):
+        return []
+    layout = Layout("shard", dim, tuple(ref_cuts), micro, parts=tuple(whole // part for whole, part in sizes))
+    return [layout] if layout.fits(full, local, n) else []
 
 
 def _values(graph: Graph, constant: GraphInput) -> list[Layout]:

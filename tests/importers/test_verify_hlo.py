@@ -238,3 +238,52 @@ def test_a_rank_slice_at_a_wrong_offset_gathered_is_found_where_the_offset_is_co
     assert "[1:3), [2:4)" in report.diagnosis and "confirmed numerically" in report.diagnosis
     first, second = report.distributed[:2]
     assert (first.line, first.op, second.op) == (23, "slice", "all_gather")
+
+
+def fused_gqa(ranks: int, tiled: bool = False) -> str:
+    """A fused QKV projection with 8 query heads and 2 kv heads (one column each), split in q,
+    k, v; each query head takes its kv head, out = q * k + v. On one device k and v are repeated
+    per query head (query head h takes kv head h // 4; `tiled`: h % 2); on 4 ranks each holds two
+    query heads and one kv head, repeated for them (fewer kv heads than ranks: the kv blocks of
+    the fused weight are replicated over pairs of ranks), and the outputs are all-gathered."""
+    heads, kv, width = (8, 2, 12) if ranks == 1 else (2, 1, 4)
+    repeated = f"f32[3,{heads // kv},{kv}]" if tiled else f"f32[3,{kv},{heads // kv}]"
+    body = [
+        f"%y = f32[3,{width}] dot(%x, %w), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}",
+        f"%q = f32[3,{heads}] slice(%y), slice={{[0:3], [0:{heads}]}}",
+        f"%k = f32[3,{kv}] slice(%y), slice={{[0:3], [{heads}:{heads + kv}]}}",
+        f"%v = f32[3,{kv}] slice(%y), slice={{[0:3], [{heads + kv}:{width}]}}",
+        f"%kb = {repeated} broadcast(%k), dimensions={{0,{2 if tiled else 1}}}",
+        f"%vb = {repeated} broadcast(%v), dimensions={{0,{2 if tiled else 1}}}",
+        f"%kr = f32[3,{heads}] reshape(%kb)",
+        f"%vr = f32[3,{heads}] reshape(%vb)",
+        f"%qk = f32[3,{heads}] multiply(%q, %kr)",
+        f"%mine = f32[3,{heads}] add(%qk, %vr)",
+    ]
+    if ranks > 1:
+        body.append("%out = f32[3,8] all-gather(%mine), replica_groups={{0,1,2,3}}, dimensions={1}")
+    body[-1] = "ROOT " + body[-1]
+    head = ["HloModule gqa", f"ENTRY %main (x: f32[3,4], w: f32[4,{width}]) -> f32[3,8] {{",
+            "  %x = f32[3,4] parameter(0)", f"  %w = f32[4,{width}] parameter(1)"]
+    return "\n".join([*head, *(f"  {line}" for line in body), "}"])
+
+
+@pytest.mark.parametrize("tiled", [False, True])
+def test_kv_heads_fewer_than_ranks_are_replicated_blocks_of_the_fused_weight(tmp_path: Path, tiled: bool) -> None:
+    """The fused weight [4, 12] is [4, 4] per rank: no plain shard. Its blocks, matched in order
+    where both programs slice its product, are q [0:8) in 4 chunks and k, v [8:10), [10:12) in 2
+    each, every kv chunk held by two consecutive ranks. Proven where the reference pairs query
+    head h with kv head h // 4; where it pairs h with h % 2 (the kv heads tiled, not repeated
+    head by head) the same layout is wrong, and the numbers say so too."""
+    ref = write(tmp_path / "ref.hlo", fused_gqa(1, tiled))
+    dist = write(tmp_path / "dist.hlo", fused_gqa(4))
+    pair = import_pair(ref, dist)
+    weight = next(p for p in pair.pairs if p.dist.name == "w")
+    assert [(c.blocks, c.parts) for c in weight.candidates] == [((0, 8, 10, 12), (4, 2, 2))]
+    captured = pair.captured([p.candidates[0] for p in pair.pairs])
+    agree = run_graphs(captured.reference, captured.ranks, captured.checks).agree
+    report = verify_graphs(ref, dist)
+    assert agree == (not tiled)
+    assert report.verdict == ("equivalent" if agree else "discrepancy"), report.diagnosis
+    if agree:
+        assert any("cut in [4, 2, 2] chunks" in line for line in report.inputs)
