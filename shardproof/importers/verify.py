@@ -91,13 +91,12 @@ class ImportedPair:
             ) if elided else "",
         )
 
-
     def _describe_split(self, output: int, split: Split) -> str:
-        """`output 0 = Shard(0) over ranks [[0, 2], [1, 3]]`, saying it was inferred."""
+        """`output 0 = the reference's, Shard(0) over ranks [[0, 2], [1, 3]]`, saying it was inferred."""
         ranks = self.distributed.graphs
         parts = [f"Shard({dim}) over ranks {sorted(list(m) for m in {g.axes[axis][1] for g in ranks})}" for dim, axis in split]
-        return f"output {output} = the reference's, {' and '.join(parts)} (the dump does not state its sharding; " \
-               "inferred from the mesh axes it splits inputs over)"
+        return (f"output {output} = the reference's, {' and '.join(parts)} (the dump does not state its sharding; "
+                "inferred from the mesh axes it splits inputs over)")
 
 
 def import_pair(
@@ -216,14 +215,14 @@ def _outputs(ref: ImportedGraph, dist: ImportedGraph, n: int) -> tuple[list[int]
         full, local = ref.graph[ref_out[i]].shape, dist.graph[dist_out[i]].shape
         dims = [d for d, (f, l) in enumerate(zip(full, local)) if f != l]
         layout: Output = ("replicate",)
-        if full == local:
-            pass
-        elif len(full) == len(local) and len(dims) == 1 and full[dims[0]] == local[dims[0]] * n:
-            layout = ("shard", dims[0])
-        elif len(full) == len(local) and _mesh_splits(dist, full, local):
-            splits[i] = _mesh_splits(dist, full, local)
-        else:
-            raise CaseError(f"{dist.path}: output {i} {list(local)} is no replica or shard of the reference's {list(full)}")
+        if full != local:
+            found = _mesh_splits(dist, full, local) if len(full) == len(local) else []
+            if len(full) == len(local) and len(dims) == 1 and full[dims[0]] == local[dims[0]] * n:
+                layout = ("shard", dims[0])
+            elif found:
+                splits[i] = found
+            else:
+                raise CaseError(f"{dist.path}: output {i} {list(local)} is no replica or shard of the reference's {list(full)}")
         checks.append(Check(_output_label(ref, i), position, position, layout))
     return indices, checks, splits
 
@@ -237,7 +236,7 @@ def _mesh_splits(dist: ImportedGraph, full: tuple[int, ...], local: tuple[int, .
         if f == l:
             continue
         fitting = [k for k, (_, members) in enumerate(dist.axes) if l * len(members) == f]
-        alike = {by[dim] for i in dist.inputs if i.shape == full for by in [dist.split.get(i.name, {})] if dim in by}
+        alike = {dist.split[i.name][dim] for i in dist.inputs if i.shape == full and dim in dist.split.get(i.name, {})}
         options.append([(dim, k) for k in sorted(fitting, key=lambda k: k not in alike)])
     return [split for split in itertools.product(*options) if len({k for _, k in split}) == len(split)]
 

@@ -76,10 +76,12 @@ class OverlappingShards:
                 culprit = self._slice_at(member, gather, (lo, hi))
                 if culprit is not None and lo != position * (hi - lo):
                     parts = ", ".join(f"[{b[dim][0]}:{b[dim][1]})" for b in boxes)
+                    own = f"[{position * (hi - lo)}:{(position + 1) * (hi - lo)})"
                     return Finding(
                         "discrepancy", "overlapping shards",
                         f"wrong layout (overlapping shards): `all_gather` over ranks {list(gather.attrs[-1])} joins parts {parts} "
-                        f"of a dim of size {size}, which {faults}: {_cutting(self.ranks[member], culprit, position)}",
+                        f"of a dim of size {size}, which {faults}: rank {member} cuts its part at [{lo}:{hi}), not at its "
+                        f"own chunk {own}",
                         [(member, culprit), (rank, gather)],
                         fix=f"make rank {member} take its own chunk at {line_of(culprit)}",
                     )
