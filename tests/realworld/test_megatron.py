@@ -5,6 +5,7 @@ into its code, each found at the line that carries it, each fixed twin proven.""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Callable
 
@@ -38,6 +39,19 @@ def test_megatron_gpt_computes_the_reference(sequence_parallel: bool, mode: str,
     numbers = run_numeric(case, world_size, mode=mode)
     assert numbers.agree, numbers.detail
     report = verify(case, world_size=world_size)
+    assert report.verdict == "equivalent", report.diagnosis
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["forward", "train"])
+def test_megatron_gpt_with_one_head_per_rank(mode: str) -> None:
+    """8 heads at TP 8: each rank's attention merges its one head with the batch, (s, b, 1, d) ->
+    (s, b, d), where the reference merges all heads, (s, b, 8, d) -> (s, b*8, d)."""
+    config = dataclasses.replace(tiny_config(layers=1), num_attention_heads=8, num_query_groups=8)
+    case = megatron_gpt_case(config, VOCAB, 8, mode=mode)
+    numbers = run_numeric(case, 8, mode=mode)
+    assert numbers.agree, numbers.detail
+    report = verify(case, world_size=8)
     assert report.verdict == "equivalent", report.diagnosis
 
 

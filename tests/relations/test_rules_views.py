@@ -115,6 +115,35 @@ def test_one_head_of_a_batch_of_one_follows_the_reference():
     assert z.term == b.sl(batched, 1, 2, 3).term
 
 
+@pytest.mark.parametrize("head", [0, 2])
+def test_one_head_merged_with_the_batch_meets_the_references_heads(head):
+    """Megatron's attention, sequence first: the reference merges (s, b, heads, d) -> (s, b*heads, d)
+    for its batched products and splits the scores back to (b, heads, s, s); a rank with one head
+    merges (s, b, 1, d) -> (s, b, d), dropping the head. Held apart (not a column range of a
+    flattening the reference never makes), the head comes back where the scores add the size-1
+    dim again: the rank's scores are the reference's head, and so is the scores' gradient
+    returned to (s, b, 1, d) through a permute of a product."""
+    s, batch, heads, d = 4, 2, 3, 2
+    b = Build()
+    q, k = b.leaf("q", (s, batch, heads, d)), b.leaf("k", (s, batch, heads, d))
+
+    def scores(q: V, k: V, n: int) -> V:
+        rows = b.permute(b.view(q, (s, batch * n, d)), (1, 0, 2))
+        cols = b.permute(b.view(k, (s, batch * n, d)), (1, 2, 0))
+        return b.view(b.op("matmul", rows, cols), (batch, n, s, s))
+
+    reference = scores(q, k, heads)
+    b.r.reference_size = len(b.u)
+    q_h, k_h = b.sl(q, 2, head, head + 1), b.sl(k, 2, head, head + 1)
+    mine = scores(q_h, k_h, 1)
+    b.check(mine)
+    assert mine.term == b.sl(reference, 1, head, head + 1).term
+    grad = b.permute(b.op("matmul", b.view(mine, (batch, s, s)), b.permute(b.view(k_h, (s, batch, d)), (1, 0, 2))), (1, 0, 2))
+    back = b.view(grad, (s, batch, 1, d))  # the gradient of q_h
+    b.check(back)
+    assert b.op_of(back) == "slice" and "bcast" not in b.ops_in(back)
+
+
 def test_view_of_a_broadcast_drops_its_kept_size_one_dims():
     """One head's attention output of a batch of one, (1, s, 1, d) -> (1, s, d), broadcasts its
     base with the size-1 head dim dropped: the head's columns of the reference's (1, s, heads*d)."""

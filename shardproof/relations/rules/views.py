@@ -48,7 +48,8 @@ class ViewRules:
                 return found
         inserted = _inserted_ones(term.shape, shape)
         if inserted is not None:
-            return self.bcast(x, shape, inserted)
+            restored = self._restore_ones(x, shape)
+            return restored if restored is not None else self.bcast(x, shape, inserted)
         if term.op == "cat":
             moved = self._view_cat(x, shape)
             if moved is not None:
@@ -161,9 +162,17 @@ class ViewRules:
                 whole = self.view(root, other[0])  # built in the reference run it would count as the reference's
                 if self.in_reference(whole):
                     return self.slice(whole, other[1])
-        if plain is not None:
-            return self.slice(self.view(root, plain[0]), plain[1])
-        return None
+        if plain is None:
+            return None
+        whole = self.view(root, plain[0])
+        if self.reference_size is not None and not self.in_reference(whole) and _drops_selected_row(self.shape(root), region, shape):
+            # a rank's one head merged as the outer factor of the dims after it is a column range of
+            # a flattening the reference never makes; held apart, it meets the reference's own
+            # merge of those heads with another dim (Megatron's (s, b, heads, d) -> (s, b * heads, d))
+            held = self._view_inner_slice(root, region, shape)
+            if held is not None:
+                return held
+        return self.slice(whole, plain[1])
 
     def _view_inner_slice(self, root: int, region: Box, shape: tuple[int, ...]) -> int | None:
         """view(X[box]) where the box restricts a dim that the reshape merges under an outer one
@@ -194,8 +203,62 @@ class ViewRules:
         outer_box = tuple((0, hi - lo) if d in inner else (lo, hi) for d, (lo, hi) in enumerate(region))
         if outer_box == full_box(self.shape(held)):
             return self.literal("view", (held,), (), shape, self.u[root].dtype)
-        found = view_of_box(self.shape(held), outer_box, shape)
-        return None if found is None else self.slice(self.view(held, found[0]), found[1])
+        return self._view_region(held, outer_box, shape)
+
+    def _restore_ones(self, x: int, shape: tuple[int, ...]) -> int | None:
+        """view(x, shape), where `shape` only adds size-1 dims to x's, as a term that restores dims a
+        reshape inside x dropped: a dropped view of S with as many size-1 dims as `shape` is a
+        permute of S (size-1 dims are interchangeable); permutes and batched products carry the
+        ones through. So a rank's one head, dropped for a batched product and added back after
+        it, is again the head it sliced. None where x restores nothing (a broadcast then)."""
+        term = self.u[x]
+        ones = shape.count(1)
+        if term.op == "view":
+            source = self.shape(term.args[0])
+            if _without_ones(source) != _without_ones(term.shape) or source.count(1) != ones:
+                return None
+            return self.permute(term.args[0], _onto(source, range(len(source)), shape))
+        if term.op == "permute":
+            # the ones go into the permute's operand right after the dim they follow in `shape`
+            inner, perm = self.shape(term.args[0]), term.attrs[0]
+            sources = iter(perm[d] for d in range(len(perm)) if term.shape[d] != 1)  # operand dims of shape's non-ones
+            follows: dict[int, int] = {}  # operand dim (-1: none) -> the ones of `shape` right after it
+            last = -1
+            for size in shape:
+                if size == 1:
+                    follows[last] = follows.get(last, 0) + 1
+                else:
+                    last = next(sources)
+            layout, position = [1] * follows.get(-1, 0), {}
+            for d, size in enumerate(inner):
+                if size != 1:
+                    position[d] = len(layout)
+                    layout += [size] + [1] * follows.get(d, 0)
+            restored = self._restored(term.args[0], tuple(layout))
+            if restored is None:
+                return None
+            order = [position[d] for d in perm if inner[d] != 1]
+            return self.permute(restored, _onto(tuple(layout), order, shape))
+        if term.op == "matmul" and len(term.shape) > 2 and shape[-2:] == term.shape[-2:]:
+            operands = []
+            for a in term.args:
+                a_shape = self.shape(a)
+                if a_shape[:-2] != term.shape[:-2]:
+                    return None  # an operand broadcast over the batch
+                found = self._restored(a, shape[:-2] + a_shape[-2:])
+                if found is None:
+                    return None
+                operands.append(found)
+            return self.build("matmul", tuple(operands), term.attrs, shape, term.dtype)
+        return None
+
+    def _restored(self, x: int, shape: tuple[int, ...]) -> int | None:
+        """`_restore_ones` of x, through the other constructors (elementwise ops map it over their
+        operands) where x is not one of the terms it reads."""
+        if self.u[x].op in ("view", "permute", "matmul"):
+            return self._restore_ones(x, shape)
+        found = self.view(x, shape)
+        return None if self.u[found].op == "bcast" else found
 
     def _view_permute(self, x: int, shape: tuple[int, ...]) -> int | None:
         """view(permute(Y, p)) as permute(view(permute(Y, r)), q): r makes each merged group of
@@ -331,3 +394,23 @@ def _inserted_ones(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[int, ...
         dims.append(j)
         j += 1
     return tuple(dims) if all(dst[k] == 1 for k in range(j, len(dst))) else None
+
+
+
+def _without_ones(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(s for s in shape if s != 1)
+
+
+def _onto(source: tuple[int, ...], order, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The permutation of a `source`-shaped tensor to `shape` (equal but for where size-1 dims
+    sit) that puts source's non-one dims, taken in `order`, where `shape`'s non-one dims are."""
+    kept = iter(d for d in order if source[d] != 1)
+    ones = iter(d for d in range(len(source)) if source[d] == 1)
+    return tuple(next(ones) if size == 1 else next(kept) for size in shape)
+
+
+def _drops_selected_row(root_shape: tuple[int, ...], region: Box, shape: tuple[int, ...]) -> bool:
+    """Whether reshaping `region` of a `root_shape` tensor to `shape` drops one selected row of a
+    longer dim (a rank's one head), which a plain reading folds into the dims after it."""
+    groups = reshape_groups(box_shape(region), shape) or []
+    return any(gi and not gj and root_shape[gi[0]] > 1 for gi, gj in groups)
