@@ -144,6 +144,20 @@ def test_one_head_merged_with_the_batch_meets_the_references_heads(head):
     assert b.op_of(back) == "slice" and "bcast" not in b.ops_in(back)
 
 
+@SETTINGS
+@given(st.lists(st.integers(1, 3), min_size=1, max_size=3), st.integers(2, 3), st.integers(1, 3))
+def test_view_splitting_a_cat_dim_is_a_cat_of_views(blocks, rows, cols):
+    """Ranks' (blocks_i * rows, cols) parts stacked flat along dim 0 and viewed (total, rows, cols)
+    are the parts each viewed (blocks_i, rows, cols), joined along dim 0: the split's inner size
+    divides every part's extent."""
+    b = Build()
+    parts = [b.leaf(f"p{i}", (n * rows, cols)) for i, n in enumerate(blocks)]
+    y = b.view(b.cat(parts, 0), (sum(blocks), rows, cols))
+    b.check(y)
+    if len(parts) > 1:
+        assert b.op_of(y) == "cat" and b.u[y.term].attrs[0] == 0
+
+
 def test_view_of_a_broadcast_drops_its_kept_size_one_dims():
     """One head's attention output of a batch of one, (1, s, 1, d) -> (1, s, d), broadcasts its
     base with the size-1 head dim dropped: the head's columns of the reference's (1, s, heads*d)."""

@@ -85,8 +85,8 @@ class Part:
 def candidates(r: Rules, t: int, dim: int) -> list[Part] | None:
     """The parts of `t` joined along `dim` (one part: `t` itself), each the output of a top k over
     the indices [lo, hi) of one axis (a `top_piece`, or a topk over all of it), or None."""
-    term = r.u[t]
-    joined = term.args if term.op == "cat" and term.attrs[0] == dim else (t,)
+    exposed = r.exposed_cat(t)  # a cat seen through the views that stay outside it (a flat buffer's)
+    joined = r.u[exposed].args if exposed is not None and r.u[exposed].attrs[0] == dim else (t,)
     parts = []
     for p in joined:
         piece = r.u[p]

@@ -97,16 +97,20 @@ class ViewRules:
 
     def _cat_of_views(self, x: int, shape: tuple[int, ...]) -> int | None:
         """view(cat(parts), shape) as the cat of the parts viewed alike, when the reshape leaves
-        the cat dim alone (its own group); None otherwise."""
+        the cat dim alone (its own group) or splits it into an outer dim and inner ones that each
+        part's extent is a multiple of (ranks' blocks stacked flat, viewed (ranks, rows, ...));
+        None otherwise."""
         term = self.u[x]
         dim = term.attrs[0]
-        alone = [dst for src, dst in reshape_groups(term.shape, shape) or [] if src == [dim] and len(dst) == 1]
+        alone = [dst for src, dst in reshape_groups(term.shape, shape) or [] if src == [dim] and dst]
         if not alone:
             return None
-        out_dim = alone[0][0]
+        out_dim, inner = alone[0][0], math.prod(shape[d] for d in alone[0][1:])
+        if any(self.shape(p)[dim] % inner for p in term.args):
+            return None
         parts = []
         for p in term.args:
-            part_shape = tuple(self.shape(p)[dim] if d == out_dim else s for d, s in enumerate(shape))
+            part_shape = tuple(self.shape(p)[dim] // inner if d == out_dim else s for d, s in enumerate(shape))
             parts.append(self.view(p, part_shape))
         return self.cat(parts, out_dim)
 
