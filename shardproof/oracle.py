@@ -43,7 +43,7 @@ from shardproof.case import Case
 from shardproof.errors import CaseError
 from shardproof.programs import Check, NumericResult, Output
 from shardproof.state import module_state
-from shardproof.steps import Program, Trained, agreed, program_for
+from shardproof.steps import Program, Trained, program_for
 from shardproof.threaded_p2p import point_to_point
 
 # The threaded process group swaps torch's global c10d world: one oracle run at a time.
@@ -130,7 +130,7 @@ def judge(reference: ReferenceRun, runs: list[tuple[list[torch.Tensor], Trained]
     """Every rank's run (`run_rank`) against the reference, claim by claim."""
     outputs = [outs for outs, _ in runs]
     try:
-        checks = agreed([reference.program.checks(len(reference.outputs), len(outs), trained) for outs, trained in runs])
+        checks = reference.program.claims(len(reference.outputs), [(len(outs), trained) for outs, trained in runs])
     except CaseError as mismatch:
         return NumericResult(False, math.inf, math.inf, str(mismatch))
     return compare(reference.outputs, outputs, checks, atol, rtol)
@@ -393,18 +393,18 @@ def compare(ref_out: list[torch.Tensor], rank_outs: list[list[torch.Tensor]], ch
 def _check(check: Check, ref_out: list[torch.Tensor], rank_outs: list[list[torch.Tensor]], atol: float,
            rtol: float) -> list[_Check]:
     where = f" in {check.label}"
-    actual = [outs[check.actual] for outs in rank_outs]
+    holders = [(rank, outs) for rank, outs in enumerate(rank_outs) if check.ranks is None or rank in check.ranks]
+    actual = [outs[check.actual] for _, outs in holders]
     if check.relation == "rank":
-        return [_close(rank, got, outs[check.expected], atol, rtol, where)
-                for rank, (got, outs) in enumerate(zip(actual, rank_outs))]
+        return [_close(rank, got, outs[check.expected], atol, rtol, where) for got, (rank, outs) in zip(actual, holders)]
     ref = ref_out[check.expected]
     if check.relation == "loss":
-        replicated = [_close(rank, got, ref, atol, rtol, where) for rank, got in enumerate(actual)]
+        replicated = [_close(rank, got, ref, atol, rtol, where) for got, (rank, _) in zip(actual, holders)]
         if all(c.ok for c in replicated):
             return replicated
-        return [_close(0, torch.stack(actual).mean(0), ref, atol, rtol, f"{where} (mean over ranks)")]
+        return [_close(holders[0][0], torch.stack(actual).mean(0), ref, atol, rtol, f"{where} (mean over ranks)")]
     return [_close(rank, got, want, atol, rtol, where)
-            for rank, (got, want) in enumerate(zip(actual, _expected(ref, actual, check.relation, where)))]
+            for got, want, (rank, _) in zip(actual, _expected(ref, actual, check.relation, where), holders)]
 
 
 def _close(rank: int, got: torch.Tensor, want: torch.Tensor, atol: float, rtol: float, where: str) -> _Check:

@@ -15,7 +15,7 @@ Output = tuple[str, ...] | tuple[str, int]  # ("replicate",) or ("shard", dim): 
 
 @dataclass(frozen=True)
 class Check:
-    """One claim, proven on every rank: a rank output equals an expected value.
+    """One claim, proven on every rank that makes it: a rank output equals an expected value.
 
     `relation` is an Output layout (expected = reference output `expected`), "loss" (reference
     output `expected`, replicated or as a mean over ranks) or "rank" (expected = this rank's own
@@ -25,6 +25,11 @@ class Check:
     actual: int
     expected: int
     relation: Output | str
+    ranks: tuple[int, ...] | None = None  # the ranks making the claim (None: every rank)
+
+    def holders(self, ranks: list[Graph]) -> list[Graph]:
+        """The graphs of the ranks making the claim."""
+        return ranks if self.ranks is None else [g for g in ranks if g.rank in self.ranks]
 
 
 @dataclass

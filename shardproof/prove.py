@@ -154,6 +154,7 @@ def unproven_outputs(run: Execution, reference: Graph, ranks: list[Graph], check
     term (the result of an all-reduce): each distinct pair is compared once."""
     rules = run.rules
     same = functools.cache(lambda term, expected: _equal(run, term, expected))
+    ranks = check.holders(ranks)
     actual = [run.ranks[g.rank][g.outputs[check.actual]] for g in ranks]
     if check.relation == "rank":
         expected = [run.ranks[g.rank][g.outputs[check.expected]] for g in ranks]

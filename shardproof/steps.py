@@ -6,10 +6,14 @@ tensors (capture) and run on random weights (the numeric oracle), so both judge 
 
 Forward mode claims each model output relates to the reference output by the case's OUTPUT layout.
 Training mode (`--train`) claims, for one step, that
-- the loss equals the reference loss on every rank, or their mean over ranks does (data parallel:
-  each rank's loss is the mean over its own batch shard, so the claim is the mean of means);
+- the loss equals the reference loss on every rank that computes one, or their mean over those
+  ranks does (data parallel: each rank's loss is the mean over its own batch shard, so the claim is
+  the mean of means). A user's step returning None computes no loss on that rank (a pipeline
+  stage before the last); some rank must compute it;
 - every rank's gradient of a parameter is built from the reference gradients exactly as that
-  parameter is built from the reference parameters (by `shard_state` or the default loader);
+  parameter is built from the reference parameters (by `shard_state` or the default loader).
+  Ranks may hold different parameters (pipeline stages hold their layers'), but every parameter
+  the reference trains is trained by some rank, and by every rank that holds it;
 - with `--step`, the same for the parameters after one optimizer step. A user's step may free a
   gradient (ZeRO stage 2 keeps only its partition of the reduced flat gradient and sets `.grad` to
   None): no gradient claim is made for it, its updated parameter carries the proof.
@@ -21,7 +25,7 @@ besides its tensors, what it `Trained`; its checks are made from that.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -44,6 +48,8 @@ class Trained:
 
     names: tuple[str, ...] = ()
     freed: frozenset[str] = frozenset()
+    frozen: tuple[str, ...] = ()  # parameters the rank holds but does not train
+    loss: bool = True  # whether the rank computes the loss (output 0)
 
 
 class Program:
@@ -74,6 +80,15 @@ class Program:
         state = as_model_holds(dict(zip(held, loaded)), model)
         with torch.no_grad():
             return flat_tensors(functional_call(model, state, tuple(loaded[len(held) :])))
+
+    def claims(self, reference_outputs: int, runs: list[tuple[int, Trained]]) -> list[Check]:
+        """The claims of every rank (given each rank's output count and what it trained), each
+        once, with the ranks making it when not all do."""
+        holders: dict[Check, list[int]] = {}
+        for rank, (outputs, trained) in enumerate(runs):
+            for check in self.checks(reference_outputs, outputs, trained):
+                holders.setdefault(check, []).append(rank)
+        return sorted((c if len(r) == len(runs) else replace(c, ranks=tuple(r)) for c, r in holders.items()), key=_claim_order)
 
     def checks(self, reference_outputs: int, rank_outputs: int, trained: Trained) -> list[Check]:
         if rank_outputs != reference_outputs:
@@ -115,8 +130,9 @@ class TrainingProgram(Program):
         if self.case.distributed_step is not None:
             with _reparametrize_module(model, replaced(local, params)):
                 loss = self.case.distributed_step(model, local_inputs, rank, world_size)
-            if not isinstance(loss, torch.Tensor):
-                raise CaseError("distributed_step(model, inputs, rank, world_size) must return the loss tensor")
+            if loss is not None and not isinstance(loss, torch.Tensor):
+                raise CaseError("distributed_step(model, inputs, rank, world_size) must return the loss tensor (or "
+                                "None on a rank that computes no loss, a pipeline stage before the last)")
             freed = {n for n, p in params.items() if p.grad is None} if self.step else set()
             grads = [_grad_of(p) for p in params.values()]
         else:
@@ -126,24 +142,43 @@ class TrainingProgram(Program):
                 _optimizer_step(self._optimizer, params, grads)
         kept = [i for i, n in enumerate(names) if n not in freed]
         expected = self._expected(bound[: len(self.names)], ref_state, model, rank, world_size, names)
-        outputs = [loss, *(grads[i] for i in kept), *(expected[i] for i in kept)]
+        outputs = [*([] if loss is None else [loss]), *(grads[i] for i in kept), *(expected[i] for i in kept)]
         if self.step:
             updated = self._expected(bound[len(self.names) :], ref_state, model, rank, world_size, names)
             outputs += [*params.values(), *updated]
-        return [_local(t) for t in outputs], Trained(tuple(names), frozenset(freed))
+        frozen = tuple(n for n, p in model.named_parameters() if not p.requires_grad)
+        return [_local(t) for t in outputs], Trained(tuple(names), frozenset(freed), frozen, loss is not None)
+
+    def claims(self, reference_outputs: int, runs: list[tuple[int, Trained]]) -> list[Check]:
+        """Ranks may train different parameters (pipeline stages), but none may hold a parameter the
+        reference trains without training it, and each the reference trains is trained somewhere."""
+        trained_somewhere: set[str] = set()
+        for rank, (_, trained) in enumerate(runs):
+            untrained = [n for n in trained.frozen if n in self.names]
+            if untrained:
+                raise CaseError(f"rank {rank} holds `{untrained[0]}` without training it, but the reference trains "
+                                "it: every rank must train the parameters the reference trains")
+            trained_somewhere.update(trained.names)
+        missing = [n for n in self.names if n not in trained_somewhere]
+        if missing:
+            raise CaseError(f"no rank trains `{missing[0]}`, which the reference trains")
+        if not any(trained.loss for _, trained in runs):
+            raise CaseError("no rank returns the loss: distributed_step must return it on the ranks that compute it")
+        return super().claims(reference_outputs, runs)
 
     def checks(self, reference_outputs: int, rank_outputs: int, trained: Trained) -> list[Check]:
         """Gradients first, then the updated parameters, then the loss: the order in which a failure
         is most useful to read (a wrong gradient trains a worse model and makes the updated parameter
         wrong too; a wrong loss alone is only mis-logged)."""
         with_grad = [n for n in trained.names if n not in trained.freed]
-        checks = [Check(f"gradient of `{n}`", 1 + i, 1 + len(with_grad) + i, "rank") for i, n in enumerate(with_grad)]
+        start = 1 if trained.loss else 0
+        checks = [Check(f"gradient of `{n}`", start + i, start + len(with_grad) + i, "rank") for i, n in enumerate(with_grad)]
         if self.step:
             count = len(trained.names)
-            first = 1 + 2 * len(with_grad)
+            first = start + 2 * len(with_grad)
             checks += [Check(f"`{n}` after the optimizer step", first + i, first + count + i, "rank")
                        for i, n in enumerate(trained.names)]
-        return [*checks, Check("loss", 0, 0, "loss")]
+        return [*checks, Check("loss", 0, 0, "loss")] if trained.loss else checks
 
     def _optimizer(self, params: Tensors) -> torch.optim.Optimizer:
         make = self.case.optimizer or (lambda ps: torch.optim.SGD(ps, lr=0.1))
@@ -157,13 +192,10 @@ class TrainingProgram(Program):
         return [local[name] for name in names]
 
 
-def agreed(per_rank: list[list[Check]]) -> list[Check]:
-    """The checks every rank makes (rank order); ranks holding other parameters cannot be compared."""
-    for rank, checks in enumerate(per_rank):
-        if [c.label for c in checks] != [c.label for c in per_rank[0]]:
-            raise CaseError(f"rank {rank} claims other gradients or parameters than rank 0; every rank must hold "
-                            "the same parameter names")
-    return per_rank[0] if per_rank else []
+def _claim_order(check: Check) -> int:
+    """Gradients, then updated parameters, then the loss (see TrainingProgram.checks); forward
+    outputs in their order."""
+    return 2 if check.relation == "loss" else int(check.label.endswith("after the optimizer step"))
 
 
 def program_for(case: Case, reference: torch.nn.Module, mode: str) -> Program:

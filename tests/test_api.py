@@ -88,3 +88,17 @@ def test_fixed_case_and_lookalike_are_proven(path: Path, world_size: int) -> Non
 def test_example_is_proven(path: Path, world_size: int) -> None:
     report, _ = _checked(path, world_size)
     assert report.verdict == "equivalent", report.diagnosis
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_the_pipeline_example_is_proven_under_gpipe_too(world_size: int) -> None:
+    """The example's default schedule is 1F1B (above); GPipe runs every forward before any backward."""
+    case = load_case(EXAMPLES / "mlp_pp.py")
+    case.module.SCHEDULE = "gpipe"
+    try:
+        report = verify(case, world_size=world_size)
+        numbers = run_numeric(case, world_size)
+    finally:
+        case.module.SCHEDULE = "1f1b"
+    assert numbers.agree, numbers.detail
+    assert report.verdict == "equivalent", report.diagnosis

@@ -219,12 +219,66 @@ def _bias_frozen_on_rank_1() -> Case:
     return Case(lambda: nn.Linear(4, 4), build, lambda: (torch.randn(4, 4),), loss=_mse, mode="train")
 
 
-def test_ranks_claiming_other_parameters_cannot_be_compared() -> None:
-    """Every rank must make the same claims: here rank 1 trains no bias, so it claims no bias gradient."""
-    with pytest.raises(CaseError, match="rank 1 claims other gradients"):
+def test_a_rank_holding_a_parameter_the_reference_trains_must_train_it() -> None:
+    """Ranks may hold different parameters (pipeline stages), but rank 1 here holds the bias and
+    does not train it: it would claim no bias gradient, and its bias would never move."""
+    with pytest.raises(CaseError, match="rank 1 holds `bias` without training it"):
         verify(_bias_frozen_on_rank_1(), world_size=2)
     numbers = run_numeric(_bias_frozen_on_rank_1(), 2)
-    assert not numbers.agree and "rank 1 claims other gradients" in numbers.detail
+    assert not numbers.agree and "rank 1 holds `bias` without training it" in numbers.detail
+
+
+def _stages(drop: str | None = None, loss_on_rank_0: bool = False) -> Case:
+    """Two pipeline stages of nn.Sequential(Linear, Tanh, Linear) (its parameters under their
+    reference names): rank 0 the first layer and the tanh, rank 1 the second layer and the loss.
+    `drop`: a parameter no stage holds."""
+
+    def build(rank: int, world_size: int) -> nn.Module:
+        model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+        for index in ((2,) if rank == 0 else (0, 1)):
+            model[index] = nn.Identity()
+        if drop is not None and rank == 1:
+            model[2].register_parameter(drop, None)
+        return model
+
+    def step(model: nn.Module, inputs: tuple, rank: int, world_size: int) -> torch.Tensor | None:
+        (x,) = inputs
+        if rank == 0:
+            hidden = model(x)
+            dist.send(hidden.detach(), 1)
+            grad = torch.empty_like(hidden)
+            dist.recv(grad, 1)
+            hidden.backward(grad)
+            return _mse(hidden.detach(), x) if loss_on_rank_0 else None
+        hidden = torch.empty_like(x)
+        dist.recv(hidden, 0)
+        hidden.requires_grad_()
+        loss = _mse(model(hidden), x)
+        loss.backward()
+        dist.send(hidden.grad, 0)
+        return loss
+
+    reference = lambda: nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))  # noqa: E731
+    return Case(reference, build, lambda: (torch.randn(4, 4),), loss=_mse, distributed_step=step, mode="train")
+
+
+def test_pipeline_stages_claim_the_gradients_of_the_parameters_they_hold() -> None:
+    report = verify(_stages(), world_size=2)
+    assert report.verdict == "equivalent", report.diagnosis
+    assert "gradient of `0.weight`" in report.proven and "gradient of `2.weight`" in report.proven
+    assert run_numeric(_stages(), 2).agree
+
+
+def test_a_parameter_no_stage_trains_cannot_be_claimed() -> None:
+    with pytest.raises(CaseError, match="no rank trains `2.bias`"):
+        verify(_stages(drop="bias"), world_size=2)
+
+
+def test_a_loss_returned_by_a_stage_before_the_last_is_claimed_too() -> None:
+    """Rank 0 returns a value that is not the loss: the loss claim is made on every rank returning one."""
+    report = verify(_stages(loss_on_rank_0=True), world_size=2)
+    assert report.verdict != "equivalent"
+    assert not run_numeric(_stages(loss_on_rank_0=True), 2).agree
 
 
 class InferenceOnly(Mlp):

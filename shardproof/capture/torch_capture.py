@@ -41,7 +41,7 @@ from shardproof.partition.rank_classes import RankClass
 from shardproof.programs import Captured
 from shardproof.report.progress import count
 from shardproof.state import module_state
-from shardproof.steps import Program, Trained, agreed, program_for
+from shardproof.steps import Program, Trained, program_for
 
 aten = torch.ops.aten
 
@@ -93,8 +93,8 @@ def capture(
             count(progress, "ranks traced", rank + 1, world_size)
         if session.reference_on_meta and session.ranks_off_meta:  # traced alike (see `_trace_reference`)
             reference = _trace_reference(session, memo, progress)
-        claims = [session.program.checks(len(reference.outputs), len(graph.outputs), trained) for graph, trained in ranks]
-    return Captured(reference, [graph for graph, _ in ranks], agreed(claims), time.perf_counter() - start)
+        claims = session.program.claims(len(reference.outputs), [(len(graph.outputs), trained) for graph, trained in ranks])
+    return Captured(reference, [graph for graph, _ in ranks], claims, time.perf_counter() - start)
 
 
 def capture_ranks(case: Case, world_size: int, ranks: list[int], memo: bool = True) -> list[Graph]:

@@ -541,6 +541,14 @@ def _passthrough(lo: Lowerer, x, *args, **kwargs) -> int:
     return lo.tensor(x)
 
 
+def _conjugate(lo: Lowerer, x) -> int:
+    """The complex conjugate is the identity on real tensors (tanh's backward formula conjugates)."""
+    value = lo.tensor(x)
+    if lo.dtype(value).startswith("complex"):
+        raise Declined
+    return value
+
+
 def _view(lo: Lowerer, x, *args, **kwargs) -> int:
     out_shape = tuple(lo.current.meta["val"].shape)
     value = lo.tensor(x)
@@ -1341,6 +1349,7 @@ _LOWER: dict[str, Callable[..., Value]] = {
     **{f"aten.{name}": _passthrough
        for name in ["clone", "_lazy_clone", "contiguous", "alias", "detach", "lift_fresh", "lift_fresh_copy", "dropout"]},
     **{f"aten.{name}": _view for name in ["view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "flatten", "view_copy"]},
+    "aten.conj_physical": _conjugate,
     "aten.t": lambda lo, x: _transpose(lo, x, 0, 1),
     "aten.transpose": _transpose,
     "aten.permute": _permute,

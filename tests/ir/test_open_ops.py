@@ -123,6 +123,17 @@ def test_a_strided_slice_s_gradient_lowers_to_its_values(size: int, start: int, 
     torch.testing.assert_close(lowered, torch.ops.aten.slice_backward(grad, [3, size, 2], 1, start, end, step))
 
 
+def test_the_conjugate_of_a_real_tensor_lowers_to_the_tensor() -> None:
+    """tanh's backward formula conjugates (`conj_physical`): on real tensors the identity, so the
+    gradient of a module recorded apart (its VJP template) is the inline trace's."""
+    x = torch.randn(3, 4, dtype=torch.float64)
+    program = make_fx(lambda t: torch.ops.aten.conj_physical(t) * 2)(x)
+    graph = Lowerer(program, ["x"], lambda node: None, [], lambda group: (), None).run()
+    assert not any(node.op.startswith("aten.conj") for node in graph.nodes)
+    (lowered,) = run_graph(graph, {"x": x})
+    torch.testing.assert_close(lowered, torch.ops.aten.conj_physical(x) * 2)
+
+
 def test_a_bug_among_open_ops_is_a_discrepancy(tmp_path: Path) -> None:
     path = _case(tmp_path, _buggy())
     report = verify(path, world_size=2)
