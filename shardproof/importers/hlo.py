@@ -280,6 +280,7 @@ class _Sites:
 
     def __init__(self, module: HloModule):
         self.module = module
+        self.user_frames: dict[int, list[SourceFrame]] = {}  # stack frame id -> its frames in user code
         self.users: dict[str, list[Instruction]] = {}
         self.callers: dict[tuple[str, str], set[tuple[str, int]]] = {}
         calls: dict[str, list[str]] = {}  # computation -> the instructions that call it
@@ -303,7 +304,10 @@ class _Sites:
         frame_id = re.search(r"stack_frame_id=(\d+)", instruction.attrs.get("metadata", ""))
         if frame_id is None:
             return []
-        return [f for f in self.module.stack(int(frame_id.group(1))) if not _library(f.file)]
+        number = int(frame_id.group(1))
+        if number not in self.user_frames:  # the frames in the user's code, not in jax or installed packages
+            self.user_frames[number] = [f for f in self.module.stack(number) if not _library(f.file)]
+        return self.user_frames[number]
 
     def frame(self, instruction: Instruction) -> tuple[str, int] | None:
         stack = self.stack(instruction)

@@ -86,14 +86,21 @@ class HloModule:
     path: str
     header: str = ""  # the `HloModule` line's attributes
     tables: dict[str, dict[int, str]] = field(default_factory=dict)  # stack-frame table -> id -> entry
+    _stacks: dict[int, tuple[SourceFrame, ...]] = field(default_factory=dict, repr=False)  # read once per frame id
 
     @property
     def entry_computation(self) -> Computation:
         return self.computations[self.entry]
 
-    def stack(self, frame_id: int) -> list[SourceFrame]:
-        """The Python stack of `stack_frame_id=N`, outermost call first. A frame's printed
-        `parent_frame_id` is its parent's id plus one (1: no parent)."""
+    def stack(self, frame_id: int) -> tuple[SourceFrame, ...]:
+        """The Python stack of `stack_frame_id=N`, outermost call first (every instruction and
+        each of its users asks: read once)."""
+        if frame_id not in self._stacks:
+            self._stacks[frame_id] = self._read_stack(frame_id)
+        return self._stacks[frame_id]
+
+    def _read_stack(self, frame_id: int) -> tuple[SourceFrame, ...]:
+        """A frame's printed `parent_frame_id` is its parent's id plus one (1: no parent)."""
         frames, files, functions = self.tables.get("StackFrames", {}), self.tables.get("FileNames", {}), self.tables.get("FunctionNames", {})
         locations = self.tables.get("FileLocations", {})
         out, seen = [], set()
@@ -105,7 +112,7 @@ class HloModule:
             function = unquote(functions.get(location.get("function_name_id", -1), '""'))
             out.append(SourceFrame(file, location.get("line", 0), function))
             frame_id = fields.get("parent_frame_id", 0) - 1
-        return out[::-1]
+        return tuple(out[::-1])
 
 
 def _fields(text: str) -> dict[str, int]:
