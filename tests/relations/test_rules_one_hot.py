@@ -138,3 +138,16 @@ def test_a_row_mask_of_the_rows_summed_by_a_one_hot_moves_into_it(vocab, cuts_, 
         rank = _rows_summed_by_ids(b, clamped, b.view(masked, (6, width)), hi - lo)
         b.check(rank)
         assert rank.term == b.sl(whole, 0, lo, hi).term
+
+
+@pytest.mark.parametrize("values", ["rows", "ones"])
+def test_a_one_hot_of_some_rows_of_the_ids_is_those_rows_of_the_one_hot(values):
+    """A microbatch's rows of the ids (and of the values, or constant ones, an embedding's backward)
+    scattered along the last dim are those rows of the batch's one-hot."""
+    b = Build()
+    ids, v = labels(b, "ids", (4, 3), 5), b.leaf("v", (4, 3))
+    rows = b.sl(v, 0, 1, 3) if values == "rows" else b.scalar(1.0, (2, 3))
+    written = one_hot(b, b.sl(ids, 0, 1, 3), rows, 5)
+    b.check(written)
+    whole = one_hot(b, ids, v if values == "rows" else b.scalar(1.0, (4, 3)), 5)
+    assert b.is_slice_of(written, whole)

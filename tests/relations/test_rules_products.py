@@ -336,3 +336,17 @@ def test_a_product_with_a_reciprocal_is_a_division(rows, cols, broadcast, first)
     b.check(product)
     divisor = b.expand(y, (rows, cols)) if broadcast else y
     assert product.term == b.op("div", x, divisor).term
+
+
+@SETTINGS
+@given(st.integers(2, 5), st.integers(1, 4), st.integers(2, 6), st.data())
+def test_matmul_of_sliced_rows_and_a_slice_of_the_contracted_dim(m, k, n, data):
+    """A microbatch's rows of one gradient times a slice of a fused weight's rows (its gate half):
+    A[rows] @ W[:k] = (A @ W[:k])[rows], though the two slices are of different tensors and dims."""
+    b = Build()
+    a, w = b.leaf("a", (2, m, k)), b.leaf("w", (k + n, 3))
+    lo, hi = data.draw(ranges(m))
+    y = b.op("matmul", b.sl(a, 1, lo, hi), b.sl(w, 0, 0, k))
+    b.check(y)
+    if (lo, hi) != (0, m):
+        assert b.is_slice_of(y, b.op("matmul", a, b.sl(w, 0, 0, k)))

@@ -65,6 +65,9 @@ class MissingReductions:
                 [(rank, copy)],
                 fix=f"use the result of the `{copy.op}` at {line_of(copy)} (or reduce the used tensor in place)",
             )
+        dropped = self._dropped_share(rank, node)
+        if dropped is not None:
+            return dropped
         origin = self._piece_origin(rank, node)
         kind = self.partial_kind([self.run.ranks[rank][node.id]])
         return Finding(
@@ -93,6 +96,34 @@ class MissingReductions:
                 if n.op == "add" and len(done) < len(ins):
                     return n, done[0]
         return None
+
+    def _dropped_share(self, rank: int, node: Node) -> Finding | None:
+        """This rank computes other shares of the sum it returns, which never reach it: not a
+        reduction over ranks but an accumulation over its own steps (a pipeline stage's
+        microbatches) that starts again. Blamed on the zeros it restarts from where the program
+        makes them, else on the share kept."""
+        graph, terms = self.ranks[rank], self.run.ranks[rank]
+        wholes = self._summed(terms[node.id])
+        used = {n.id for n in graph.ancestors(node)}
+        kept = {terms[i] for i in used}
+        share = next((n for n in graph.nodes if n.id not in used and n.op not in LAYOUT_OPS and terms[n.id] not in kept
+                      and self._summed(terms[n.id]) & wholes), None)
+        if not wholes or share is None:
+            return None
+        restart = next((graph[i] for n in graph.ancestors(node) if n.op == "add" for i in n.inputs
+                        if graph[i].op == "const" and self.r.full_value(terms[i]) == 0), None)
+        origin = restart or self._piece_origin(rank, node) or node
+        where = f" from the zeros made at {line_of(restart)}" if restart is not None else ""
+        return Finding(
+            "discrepancy",
+            "missing reduction",
+            f"missing reduction (dropped shares): this rank computes other shares of this sum (at {line_of(share)}"
+            f"{' in the backward' if share.loc is not None and share.loc.backward else ''}) but never adds them to "
+            f"it: an accumulation over its own steps (microbatches?) starts again{where}",
+            [(rank, origin), (rank, share)],
+            fix=f"keep accumulating across the steps: do not reset the accumulator{' at ' + line_of(restart) if restart else ''} "
+                "between them",
+        )
 
     def _reduced_copy(self, rank: int, node: Node) -> Node | None:
         """A collective whose input is a value on the way to `node` but whose result never reaches it."""

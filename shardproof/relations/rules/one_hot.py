@@ -42,7 +42,7 @@ def scatter(r: Rules, op: str, args, attrs, shape, dtype) -> int:
     if is_finite_number(constant) and constant != 1 and dtype in FLOAT_DTYPES:
         ones = r.literal("full", (), (1.0,), r.shape(src), dtype)
         return r.scale(r.build("scatter_add", (zeros, index, ones), attrs, shape, dtype), constant)
-    local = _local_one_hot(r, index, src, dim, shape, dtype)
+    local = _local_one_hot(r, index, src, dim, shape, dtype) or _region_of_one_hot(r, index, src, dim, shape, dtype)
     if local is not None:
         return local
     if r.reference_size is None:
@@ -76,6 +76,25 @@ def _local_one_hot(r: Rules, index: int, src: int, dim: int, shape, dtype) -> in
         whole = r.build("scatter_add", (zeros, whole_index, values), (dim,), whole_shape, dtype)
         return r.slice(whole, tuple((lo, hi) if d == dim else (0, n) for d, n in enumerate(shape)))
     return None
+
+
+def _region_of_one_hot(r: Rules, index: int, src: int, dim: int, shape, dtype) -> int | None:
+    """scatter_add(0, dim, I[box], S[box]) = scatter_add(0, dim, I, S)[box] where the box takes all
+    of `dim`: a scatter along `dim` writes each of the other positions on its own (a microbatch's
+    rows of the one-hot of its token ids are those rows of the batch's). Constant values fit any box."""
+    whole_index, box = r.as_region(index)
+    if whole_index == index or box[dim] != (0, r.shape(whole_index)[dim]):
+        return None
+    whole_shape = tuple(n if d == dim else r.shape(whole_index)[d] for d, n in enumerate(shape))
+    if r.u[src].op == "full":
+        values = r.literal("full", (), r.u[src].attrs, r.shape(whole_index), dtype)
+    else:
+        values = r.region_like(src, box, r.shape(whole_index))
+        if values is None:
+            return None
+    zeros = r.literal("full", (), (0.0 if dtype in FLOAT_DTYPES else 0,), whole_shape, dtype)
+    whole = r.build("scatter_add", (zeros, whole_index, values), (dim,), whole_shape, dtype)
+    return r.slice(whole, tuple((0, n) if d == dim else box[d] for d, n in enumerate(shape)))
 
 
 def is_one_hot(r: Rules, t: int) -> bool:

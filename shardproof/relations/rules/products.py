@@ -9,7 +9,7 @@ import math
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
-from shardproof.relations.layout import Box, box_along
+from shardproof.relations.layout import Box, box_along, full_box
 from shardproof.relations.rules.elementwise import elementwise
 from shardproof.relations.rules.masks import times_mask
 from shardproof.relations.rules.one_hot import masked_rows_into_one_hot, one_hot_times
@@ -204,6 +204,7 @@ def _matmul_slices(r: Rules, a: int, b: int, attrs, shape, dtype) -> int:
     if len(shape) > 2 and len(r.shape(b)) > 2 and batch_differs:
         ra, box_a, rb, box_b = _align_batch(r, a, ra, box_a, b, rb, box_b)
     candidates = ([(ra, box_a, rb, box_b)] if _aligned(r, ra, box_a, rb, box_b) else []) + _aligned_regions(r, a, b)
+    candidates += _one_side(r, a, ra, box_a, b, rb, box_b)
     if not candidates:
         return r.literal("matmul", (a, b), attrs, shape, dtype)
     ra, box_a, rb, box_b = candidates[0]
@@ -217,6 +218,13 @@ def _matmul_slices(r: Rules, a: int, b: int, attrs, shape, dtype) -> int:
     out = r.slice(core, box_a[:-1] + box_b[-1:])
     lo, hi = box_a[-1]
     return r.piece(out, ("matmul", core), lo, hi, sa[-1])
+
+
+def _one_side(r: Rules, a: int, ra: int, box_a: Box, b: int, rb: int, box_b: Box) -> list[tuple[int, Box, int, Box]]:
+    """One operand's region with the other operand as it is, where only that lines up: a
+    microbatch's rows of one gradient times a fused weight's slice (A[rows] @ W[:k] = (A @ W[:k])[rows])."""
+    sides = [(ra, box_a, b, full_box(r.shape(b))), (a, full_box(r.shape(a)), rb, box_b)]
+    return [(x, bx, y, by) for x, bx, y, by in sides if (x, y) != (a, b) and _aligned(r, x, bx, y, by)]
 
 
 def _aligned(r: Rules, ra: int, box_a: Box, rb: int, box_b: Box) -> bool:

@@ -1,0 +1,137 @@
+"""Case: a Llama decoder trained with pipeline parallelism (1F1B, 8 microbatches), data parallel over
+pipeline replicas when there are more ranks than stages.
+
+Reference (examples/llama_reference.py) trained on a logit-distillation loss (the mean squared
+error against a teacher's logits).
+
+Distributed: S = min(MAX_STAGES, world size) stages per pipeline, world size / S pipelines.
+Rank r is stage r % S of pipeline r // S and holds, under their reference names, its
+consecutive layers (`layers.<i>.*`, a ModuleDict as torchtitan keeps them), the first stage the
+embedding too, the last the final norm and lm_head. Each pipeline reads its chunk of the batch
+(`shard_input`) and runs it as MICROBATCHES microbatches through the 1F1B schedule of
+pipeline_schedules.py: activations are sent forward and gradients backward with `dist.send` /
+`dist.recv` between the ranks of the pipeline; the last stage's loss of a microbatch is its mean
+squared error divided by the number of microbatches. The gradients are then averaged over the
+pipelines (an all-reduce over each stage's data-parallel group). Claimed: the mean of the last
+stages' losses is the reference's loss, and every stage's gradients are the reference's gradients
+of its layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from llama_reference import PRESETS as LLAMA_PRESETS
+from llama_reference import DecoderLayer, LlamaConfig, LlamaReference, RMSNorm, token_inputs
+from pipeline_schedules import SCHEDULES, StageRun
+
+CONFIG = LlamaConfig(vocab=64, hidden=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8, ffn=64, seq=4, batch=16)
+PRESETS = {name: replace(config, batch=16) for name, config in LLAMA_PRESETS.items()}
+MAX_STAGES = 4
+MICROBATCHES = 8
+SCHEDULE = "1f1b"
+WORLD_SIZE = 4
+MODE = "train"
+
+
+def _layout(world_size: int) -> tuple[int, int]:
+    """(stages per pipeline, pipelines)."""
+    stages = min(MAX_STAGES, world_size)
+    pipelines = world_size // stages
+    problems = [f"{what} does not divide" for what, whole, part in (
+        (f"world size {world_size} into pipelines of {stages} stages", world_size, stages),
+        (f"{CONFIG.n_layers} layers into {stages} stages", CONFIG.n_layers, stages),
+        (f"a batch of {CONFIG.batch} into {pipelines} x {MICROBATCHES} microbatches", CONFIG.batch, pipelines * MICROBATCHES),
+    ) if whole % part]
+    if problems:
+        raise ValueError("; ".join(problems))
+    return stages, pipelines
+
+
+class LlamaLM(LlamaReference):
+    """The reference, called with the teacher's logits too (it ignores them)."""
+
+    def forward(self, input_ids: torch.Tensor, *targets: torch.Tensor) -> torch.Tensor:
+        return super().forward(input_ids)
+
+
+class LlamaStage(nn.Module):
+    """Layers `layers` of the reference; the embedding on the first stage, the norm and lm_head on the last."""
+
+    def __init__(self, config: LlamaConfig, layers: range, first: bool, last: bool):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab, config.hidden) if first else None
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(config) for i in layers})
+        self.norm = RMSNorm(config.hidden, config.norm_eps) if last else None
+        self.lm_head = nn.Linear(config.hidden, config.vocab, bias=False) if last else None
+
+    def forward(self, x: torch.Tensor, *targets: torch.Tensor) -> torch.Tensor:
+        if self.embed_tokens is not None:
+            x = self.embed_tokens(x)
+        for layer in self.layers.values():
+            x = layer(x)
+        return x if self.lm_head is None else self.lm_head(self.norm(x))
+
+
+def reference() -> nn.Module:
+    return LlamaLM(CONFIG)
+
+
+def distributed(rank: int, world_size: int) -> nn.Module:
+    stages, _ = _layout(world_size)
+    stage = rank % stages
+    per_stage = CONFIG.n_layers // stages
+    model = LlamaStage(CONFIG, range(stage * per_stage, (stage + 1) * per_stage), stage == 0, stage == stages - 1)
+    model.data_parallel = _data_parallel_group(rank, world_size, stages)
+    return model
+
+
+def _data_parallel_group(rank: int, world_size: int, stages: int) -> dist.ProcessGroup | None:
+    """The ranks holding this rank's stage in every pipeline (made on every rank, in one order)."""
+    if world_size == stages:
+        return None
+    mine = None
+    for stage in range(stages):
+        group = dist.new_group(list(range(stage, world_size, stages)))
+        mine = group if stage == rank % stages else mine
+    return mine
+
+
+def inputs() -> tuple:
+    (tokens,) = token_inputs(CONFIG)
+    return tokens, torch.randn(CONFIG.batch, CONFIG.seq, CONFIG.vocab)  # token ids, teacher logits
+
+
+def shard_input(index: int, full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """Pipeline p reads chunk p of the batch."""
+    stages, pipelines = _layout(world_size)
+    return full.chunk(pipelines)[rank // stages]
+
+
+def loss(logits: torch.Tensor, tokens: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """Logit distillation (as examples/llama_sp_train.py): the mean squared error against a teacher's
+    logits. A microbatch's mean divided by the number of microbatches sums to the batch's mean."""
+    return F.mse_loss(logits, teacher_logits)
+
+
+def distributed_step(model: nn.Module, inputs: tuple, rank: int, world_size: int) -> torch.Tensor | None:
+    """This stage's 1F1B step over its pipeline's microbatches, then the data-parallel average."""
+    tokens, teacher_logits = inputs
+    stages, _ = _layout(world_size)
+    stage, first_rank = rank % stages, rank - rank % stages
+    size = tokens.shape[0] // MICROBATCHES
+    run = StageRun(model, stage, stages, list(tokens.split(size)), list(teacher_logits.split(size)),
+                   lambda i: (size, CONFIG.seq, CONFIG.hidden), lambda logits, y: loss(logits, None, y),
+                   first_rank)
+    SCHEDULES[SCHEDULE](run, MICROBATCHES)
+    if model.data_parallel is not None:
+        for param in model.parameters():
+            dist.all_reduce(param.grad, op=dist.ReduceOp.AVG, group=model.data_parallel)
+        if run.total is not None:
+            dist.all_reduce(run.total, op=dist.ReduceOp.AVG, group=model.data_parallel)
+    return run.total
