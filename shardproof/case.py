@@ -84,12 +84,15 @@ def folder_on_path(folder: Path | None) -> Iterator[None]:
 
 
 def normalize_output(output: Any) -> Output:
-    """Accept `"replicate"`, `("shard", dim)` or `("replicate",)`; reject anything else early."""
+    """Accept `"replicate"`, `("shard", dim)`, `("shard", dim, "zigzag")` or `("replicate",)`;
+    reject anything else early."""
     if output == "replicate" or output == ("replicate",):
         return ("replicate",)
     if isinstance(output, (tuple, list)) and len(output) == 2 and output[0] == "shard":
         return ("shard", int(output[1]))
-    raise CaseError(f"OUTPUT must be 'replicate' or ('shard', dim), got {output!r}")
+    if isinstance(output, (tuple, list)) and (tuple(output[::2]) == ("shard", "zigzag") and len(output) == 3 or len(output) == 2 and output[0] == "zigzag"):
+        return ("zigzag", int(output[1]))  # also the normalized form, read again
+    raise CaseError(f"OUTPUT must be 'replicate', ('shard', dim) or ('shard', dim, 'zigzag'), got {output!r}")
 
 
 def load_case(path: str | Path) -> Case:

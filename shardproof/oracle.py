@@ -419,7 +419,13 @@ def _close(rank: int, got: torch.Tensor, want: torch.Tensor, atol: float, rtol: 
 
 def _expected(ref: torch.Tensor, outs: list[torch.Tensor], layout: Output, where: str) -> list[torch.Tensor]:
     """The part of the reference each rank should hold under `layout`."""
-    return [ref] * len(outs) if layout == ("replicate",) else _shards(ref, outs, layout[1], where)
+    if layout == ("replicate",):
+        return [ref] * len(outs)
+    shards = _shards(ref, outs, layout[1], where)
+    if layout[0] == "zigzag":
+        chunks = ref.chunk(2 * len(outs), layout[1])
+        shards = [torch.cat([chunks[r], chunks[2 * len(outs) - 1 - r]], layout[1]) for r in range(len(outs))]
+    return shards
 
 
 def _shards(ref: torch.Tensor, outs: list[torch.Tensor], dim: int, where: str) -> list[torch.Tensor]:

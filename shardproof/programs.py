@@ -10,7 +10,14 @@ from dataclasses import dataclass, field
 
 from shardproof.ir.graph import Graph
 
-Output = tuple[str, ...] | tuple[str, int]  # ("replicate",) or ("shard", dim): a rank output against the reference's
+Output = tuple[str, ...] | tuple[str, int]  # ("replicate",), ("shard", dim) or ("zigzag", dim): a rank output against the reference's
+
+
+def zigzag_chunks(world_size: int) -> list[tuple[int, int]]:
+    """Under ("zigzag", dim) the reference's dim is cut into 2 * world_size chunks and rank r holds
+    chunks r and 2 * world_size - 1 - r, in that order (load-balanced context parallelism: each
+    rank gets as much of a causal mask's work). The (rank, half of its output) of each chunk, in order."""
+    return [(r, 0) for r in range(world_size)] + [(r, 1) for r in reversed(range(world_size))]
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,12 @@ from shardproof.ir.graph import Graph
 from shardproof.partition.boundary import NotPartitioned
 from shardproof.partition.execute import CallProofs, Unmatched, aligned, execute_with_calls, instances, through_call
 from shardproof.partition.templates import expand, has_calls
-from shardproof.programs import Captured, Check
+from shardproof.programs import Captured, Check, Output, zigzag_chunks
 from shardproof.relations.diagnose import Diagnoser, Finding
+from shardproof.relations.diagnose.agreement import unreduced
 from shardproof.relations.execute import CollectiveMismatch, Execution, execute
+from shardproof.relations.layout import box_along
+from shardproof.relations.rules import Rules
 from shardproof.report.progress import count
 
 
@@ -113,11 +116,15 @@ def _judged(
     notes: list[str] = []
     findings: list[Finding] = []
     diagnoser: Diagnoser | None = None
+    by_rank = {g.rank: g for g in ranks}
     checked = 0
     while checked < len(checks) and len(findings) < DIAGNOSED_CLAIMS:
         check = checks[checked]
         checked += 1
         unproven = unproven_outputs(run, reference, ranks, check, notes)
+        if not claims:  # a call's output each rank holds as its share of a sum (a weight gradient over its
+            # tokens) is reduced, if at all, by the program after the call: no fault at the call's boundary
+            unproven = [(r, i) for r, i in unproven if not unreduced(run.rules, run.ranks[r][by_rank[r].outputs[i]])]
         if unproven:
             diagnoser = diagnoser or Diagnoser(run, reference, ranks)
             finding = diagnoser.diagnose(unproven)
@@ -132,7 +139,7 @@ def _judged(
 def _misshapen(diagnoser: Diagnoser, reference: Graph, ranks: list[Graph], check: Check, unproven: list[tuple[int, int]]) -> Finding | None:
     """A rank output claimed equal to a reference output (not one shard of it) but of another
     shape differs from it, whatever the values (a gather left out): where no other fault explains it."""
-    if check.relation == "rank" or check.relation[0] == "shard":
+    if check.relation == "rank" or check.relation[0] in ("shard", "zigzag"):
         return None
     wanted = reference[reference.outputs[check.expected]]
     for rank, index in unproven:
@@ -168,10 +175,24 @@ def unproven_outputs(run: Execution, reference: Graph, ranks: list[Graph], check
             notes.append(f"{check.label}: the mean of the {len(actual)} ranks' values equals the reference value")
             return []
         return [(g.rank, check.actual) for g in ranks]
-    if check.relation[0] == "shard":
-        whole = rules.cat(actual, check.relation[1] % len(rules.shape(wanted)))
-        return [] if same(whole, wanted) else [(g.rank, check.actual) for g in ranks]
+    if check.relation[0] in ("shard", "zigzag"):
+        whole = _joined(rules, actual, check.relation, len(rules.shape(wanted)))
+        return [] if whole is not None and same(whole, wanted) else [(g.rank, check.actual) for g in ranks]
     return [(g.rank, check.actual) for g, a in zip(ranks, actual) if not same(a, wanted)]
+
+
+def _joined(rules: Rules, actual: list[int], relation: Output, ndim: int) -> int | None:
+    """The ranks' outputs put together as `relation` says the reference's is cut (None: they cannot be)."""
+    dim = relation[1] % ndim
+    if relation[0] == "shard":
+        return rules.cat(actual, dim)
+    halves = []
+    for term in actual:
+        size = rules.shape(term)[dim]
+        if size % 2:
+            return None
+        halves.append([rules.slice(term, box_along(rules.shape(term), dim, h * size // 2, (h + 1) * size // 2)) for h in (0, 1)])
+    return rules.cat([halves[rank][half] for rank, half in zigzag_chunks(len(actual))], dim)
 
 
 def _equal(run: Execution, term: int, expected: int) -> bool:

@@ -82,6 +82,17 @@ def test_fixed_case_and_lookalike_are_proven(path: Path, world_size: int) -> Non
     assert report.verdict == "equivalent", report.diagnosis
 
 
+@pytest.mark.parametrize(("world_size", "train"), [(2, True), pytest.param(8, False, marks=pytest.mark.slow),
+                                                  pytest.param(4, True, marks=pytest.mark.slow),
+                                                  pytest.param(8, True, marks=pytest.mark.slow)])
+def test_context_parallel_case_is_proven_at_more_ranks_and_trained(world_size: int, train: bool) -> None:
+    """Zigzag KV all-gather context parallelism (the fixed case runs forward at 1, 2, 4 above)."""
+    path = CASES / "cp-zigzag-mask_fixed.py"
+    report = verify(path, world_size=world_size, train=train)
+    assert run_numeric(load_case(path), world_size, mode="train" if train else None).agree
+    assert report.verdict == "equivalent", report.diagnosis
+
+
 # Known gaps: (example, world size) -> why it is not proven yet.
 NOT_PROVEN = {
     ("llama_pp", 8): "two data-parallel pipelines of 4 stages: the Llama trained data parallel over the batch with "

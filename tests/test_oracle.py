@@ -82,6 +82,31 @@ def test_shard_layout_and_shape_mismatch() -> None:
     assert not result.agree and "shape" in result.detail
 
 
+class _RowwiseIdentity(nn.Module):
+    """Each rank returns its own rows of the input, here picked by the zigzag layout."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * x
+
+
+def _zigzag_rows(index: int, full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    chunks = full.chunk(2 * world_size, 0)
+    return torch.cat([chunks[rank], chunks[2 * world_size - 1 - rank]])
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_zigzag_output_layout(world_size: int) -> None:
+    """Under ("shard", 0, "zigzag") rank r holds chunks r and 2W-1-r of 2W; read in rank order, it does not."""
+    inputs = lambda: (torch.randn(16, 3),)  # noqa: E731
+    zigzag = Case(reference=_RowwiseIdentity, distributed=lambda r, n: _RowwiseIdentity(), inputs=inputs,
+                  shard_input=_zigzag_rows, output=("shard", 0, "zigzag"))
+    assert run_numeric(zigzag, world_size).agree
+    assert verify(zigzag, world_size=world_size).verdict == "equivalent"
+    in_rank_order = dataclasses.replace(zigzag, output=("shard", 0))
+    assert run_numeric(in_rank_order, world_size).agree == (world_size == 1)
+    assert (verify(in_rank_order, world_size=world_size).verdict == "equivalent") == (world_size == 1)
+
+
 def test_rank_dependent_collectives_report_a_hang() -> None:
     class OnlyRankZeroReduces(Mlp):
         def forward(self, x: torch.Tensor) -> torch.Tensor:

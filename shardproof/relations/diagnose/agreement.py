@@ -17,9 +17,21 @@ LAYOUT_OPS = {"view", "permute", "slice", "expand", "convert", "cat"}
 LAYOUT_TERMS = {"view", "permute", "slice", "bcast", "repeat"}  # normal-form terms that only move elements
 
 
+def unreduced(rules: Rules, t: int) -> set[tuple]:
+    """The pieces (kind, axis and range) that `t` holds without their sum (or max) over ranks."""
+    term = rules.u[t]
+    if term.op in PIECES:
+        return {(term.op, term.attrs)}
+    if term.op in ("lin", "slice", "bcast", "repeat"):
+        return set().union(*(unreduced(rules, a) for a in term.args))
+    return set()
+
+
 def grounded(rules: Rules, t: int, memo: dict[int, bool]) -> bool:
-    """Built from reference values by regions and linear structure only: still agreeing."""
+    """Built from reference values by regions and linear structure only, or from constants alone
+    (a causal mask from a rank's positions, the same whatever the weights): still agreeing."""
     if t not in memo:
         term = rules.u[t]
-        memo[t] = rules.in_reference(t) or (term.op in STRUCTURAL and all(grounded(rules, a, memo) for a in term.args))
+        memo[t] = rules.in_reference(t) or rules.of_constants(t) or (
+            term.op in STRUCTURAL and all(grounded(rules, a, memo) for a in term.args))
     return memo[t]

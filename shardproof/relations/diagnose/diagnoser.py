@@ -9,7 +9,7 @@ from fractions import Fraction
 
 from shardproof.ir.graph import Graph, Node
 from shardproof.ir.ops import OPS
-from shardproof.relations.diagnose.agreement import LAYOUT_OPS, PIECES, grounded
+from shardproof.relations.diagnose.agreement import LAYOUT_OPS, grounded, unreduced
 from shardproof.relations.diagnose.candidates import TopCandidates
 from shardproof.relations.diagnose.collectives import CollectiveFaults
 from shardproof.relations.diagnose.finding import Finding
@@ -63,13 +63,7 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
         return "partial max" if {op for op, _ in held} <= {"max_piece", "arg_piece", "top_piece"} else "partial sum"
 
     def unreduced(self, t: int) -> set[tuple]:
-        """The pieces (kind, axis and range) that `t` holds without their sum (or max) over ranks."""
-        term = self.r.u[t]
-        if term.op in PIECES:
-            return {(term.op, term.attrs)}
-        if term.op in ("lin", "slice", "bcast", "repeat"):
-            return set().union(*(self.unreduced(a) for a in term.args))
-        return set()
+        return unreduced(self.r, t)
 
     # --- entry --------------------------------------------------------------------------------------
     def diagnose(self, mismatched_outputs: list[tuple[int, int]]) -> Finding:

@@ -25,6 +25,7 @@ class Rules(RegionRules, ViewRules, LinearRules):
         self.reference_boxes: dict[int, set[Box]] = {}  # root -> boxes the reference sliced it to
         self.reference_one_hots: dict[tuple[int, int], set[int]] = {}  # (dim, index) -> widths the reference wrote
         self._built: dict[tuple, int] = {}  # (op, args, attrs, shape, dtype) -> term
+        self.constant_terms: dict[int, bool] = {}  # term -> computed from constants alone (`of_constants`)
         self.assumptions: set[str] = set()  # what a proof using these terms takes for granted (in words)
 
     def in_reference(self, t: int) -> bool:

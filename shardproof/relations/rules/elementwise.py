@@ -39,9 +39,9 @@ def elementwise(r: Rules, op: str, args: tuple[int, ...], attrs: tuple, shape: t
             if None not in roots:
                 return r.slice(r.build(op, tuple(roots), attrs, global_shape, dtype), box)
     for a in args:
-        term = r.u[a]
-        if term.op == "cat":
-            dim, bounds = term.attrs[0], cat_bounds(r, a)
+        exposed = r.exposed_cat(a)  # a cat, or one seen through broadcasts (a mask's rows `positions[:, None]`)
+        if exposed is not None:
+            dim, bounds = r.u[exposed].attrs[0], cat_bounds(r, exposed)
             parts = []
             for lo, hi in bounds:
                 box = box_along(shape, dim, lo, hi)

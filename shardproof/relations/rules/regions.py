@@ -7,11 +7,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from shardproof.ir.ops import OPS
 from shardproof.relations.layout import Box, box_shape, compose, full_box
+from shardproof.relations.rules import aranges
 from shardproof.relations.rules.values import PARTS
 
 if TYPE_CHECKING:
     from shardproof.relations.rules.core import Rules
+
+
+_ELEMENTWISE = ("unary", "binary", "compare", "where", "pointwise")
 
 
 class RegionRules:
@@ -28,6 +33,10 @@ class RegionRules:
             return self._map_parts(x, lambda t: self.slice(t, box), shape)
         if term.op == "full":
             return self.literal("full", (), term.attrs, shape, term.dtype)
+        if term.op == "const":
+            positions = aranges.sliced(self, x, box)
+            if positions is not None:
+                return positions
         if term.op == "bcast":
             dims = term.attrs[0]
             inner = self.slice(term.args[0], tuple(box[d] for d in dims))
@@ -83,7 +92,10 @@ class RegionRules:
         return self.literal("cat", tuple(merged), (dim,), tuple(shape), self.u[merged[0]].dtype)
 
     def _join(self, a: int, b: int, dim: int) -> int | None:
-        """Two adjacent regions of one tensor are one region."""
+        """Two adjacent regions of one tensor are one region (adjacent position ranges too)."""
+        positions = aranges.joined(self, a, b)
+        if positions is not None:
+            return positions
         ra, ba = self.as_region(a)
         rb, bb = self.as_region(b)
         if ra != rb:
@@ -207,8 +219,15 @@ class RegionRules:
             return None if inner is None else self.piece(inner, *term.attrs)
         if term.op == "full":
             return self.literal("full", (), term.attrs, tuple(global_shape), term.dtype)
+        if term.op == "const":
+            return aranges.widened(self, t, box, tuple(global_shape))
         if term.op == "bcast":
             return self._unslice_bcast(t, box, tuple(global_shape))
+        if term.op in OPS and OPS[term.op].kind in _ELEMENTWISE and self.of_constants(t):
+            # op(X)[box] is op(X[box]): a mask computed from positions alone is the rows of the
+            # mask computed from the wider positions
+            wider = [self.unslice(a, box, global_shape) for a in term.args]
+            return None if None in wider else self.build(term.op, tuple(wider), term.attrs, tuple(global_shape), term.dtype)
         if term.op == "repeat":
             return self._unslice_repeat(t, box, tuple(global_shape))
         if term.op == "cat":
@@ -228,6 +247,15 @@ class RegionRules:
             if self.in_reference(broadcast):
                 return broadcast
         return None
+
+    def of_constants(self, t: int) -> bool:
+        """`t` is computed from constants alone (no leaf, nothing a rank reads)."""
+        known = self.constant_terms.get(t)
+        if known is None:
+            term = self.u[t]
+            known = term.op in ("full", "const") or (term.op != "leaf" and bool(term.args) and all(self.of_constants(a) for a in term.args))
+            self.constant_terms[t] = known
+        return known
 
     def _unslice_slice(self, t: int, box: Box, global_shape: tuple[int, ...]) -> int | None:
         """P[b] seen inside a larger region: widen b on the dims the box restricts, keep the rest."""
