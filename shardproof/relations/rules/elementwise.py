@@ -39,7 +39,9 @@ def elementwise(r: Rules, op: str, args: tuple[int, ...], attrs: tuple, shape: t
             if None not in roots:
                 return r.slice(r.build(op, tuple(roots), attrs, global_shape, dtype), box)
     for a in args:
-        exposed = r.exposed_cat(a)  # a cat, or one seen through broadcasts (a mask's rows `positions[:, None]`)
+        # a cat; or, computed from constants alone, one seen through broadcasts (a causal mask's rows
+        # `positions[:, None]` of a rank holding several chunks of the sequence)
+        exposed = a if r.u[a].op == "cat" else r.exposed_cat(a) if r.of_constants(a) else None
         if exposed is not None:
             dim, bounds = r.u[exposed].attrs[0], cat_bounds(r, exposed)
             parts = []
