@@ -56,15 +56,14 @@ def test_a_zigzag_ranks_masked_scores_are_rows_of_the_references() -> None:
         assert masked.term == b.cat([b.sl(reference, 1, *first), b.sl(reference, 1, *second)], 1).term
 
 
-def test_where_with_a_zero_branch_is_linear_in_the_other() -> None:
-    """where(m, 0, a x + b y) = a where(m, 0, x) + b where(m, 0, y): a rank's gradient scaled by its
-    share of the loss meets the reference's, scaled by the whole."""
+def test_where_with_a_zero_branch_takes_the_scale_out() -> None:
+    """where(m, 0, c (x - y)) = c where(m, 0, x - y): a rank's gradient scaled by its share of the
+    loss meets the reference's, scaled by the whole."""
     b = Build()
     x, y = b.leaf("x", (4, 6)), b.leaf("y", (4, 6))
     mask = _mask(b, _arange(b, 0, 4), 6)
     zero = b.scalar(0.0, (4, 6))
-    combined = b.sub(b.op("mul", x, b.scalar(0.5, (4, 6))), b.op("mul", y, b.scalar(0.5, (4, 6))))
-    masked = b.op("where", mask, zero, combined)
+    half = b.scalar(0.5, (4, 6))
+    masked = b.op("where", mask, zero, b.sub(b.op("mul", x, half), b.op("mul", y, half)))
     b.check(masked)
-    apart = b.sub(b.op("where", mask, zero, x), b.op("where", mask, zero, y))
-    assert masked.term == b.op("mul", apart, b.scalar(0.5, (4, 6))).term
+    assert masked.term == b.op("mul", b.op("where", mask, zero, b.sub(x, y)), half).term

@@ -6,6 +6,7 @@ reaches the layout constructors through `self`.
 
 from __future__ import annotations
 
+import math
 from fractions import Fraction
 from typing import Any, Callable
 
@@ -169,6 +170,22 @@ class LinearRules:
 
     def scale(self, x: int, factor: Any) -> int:
         return self.lin([(x, Fraction(factor))])
+
+    def common_factor(self, t: int) -> tuple[int, Fraction]:
+        """(u, c) with t = c * u, so that scales move out of products (a gradient averaged over a
+        data-parallel group is (1/dp) times the sum over its batch shard). A scaled term gives its
+        coefficient; a sum gives c > 0, the largest rational dividing every coefficient, which does
+        not depend on the order of the terms, so every rank's slice of a sum factors like the sum."""
+        term = self.u[t]
+        if term.op != "lin" or term.dtype not in FLOAT_DTYPES:  # integer lin truncates: no factoring
+            return t, Fraction(1)
+        coefs = term.attrs[0]
+        if len(coefs) == 1:
+            return term.args[0], coefs[0]
+        c = Fraction(math.gcd(*(k.numerator for k in coefs)), math.lcm(*(k.denominator for k in coefs)))
+        if c == 1:
+            return t, c
+        return self.lin([(a, k / c) for a, k in zip(term.args, coefs)]), c
 
 
 def _adjacent_runs(ranges: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:

@@ -52,7 +52,10 @@ def where(r: Rules, op: str, args, attrs, shape, dtype) -> int:
         if r.full_value(zero) != 0:
             continue
         branches = (lambda t: (t, zero)) if value == when_true else (lambda t: (zero, t))
-        if r.op(value) in ("piece", "lin"):  # linear in the kept value: a partial sum stays one, a scale moves out
+        inner, factor = r.common_factor(value)
+        if factor != 1:  # a scale moves out (a rank's gradient scaled by its share of the loss, the reference's by the whole)
+            return r.scale(r.build(op, (cond, *branches(inner)), attrs, shape, dtype), factor)
+        if r.op(value) == "piece":  # linear in the kept value: a partial sum stays one
             return r._map_linear(value, lambda t: r.build(op, (cond, *branches(t)), attrs, shape, dtype), shape)
         parts = r.exposed_cat(value)  # and so cut where the value is, seen through a broadcast or permute
         if parts is not None and parts != value:

@@ -20,27 +20,10 @@ if TYPE_CHECKING:
     from shardproof.relations.rules.core import Rules
 
 
-def _common_factor(r: Rules, t: int) -> tuple[int, Fraction]:
-    """(u, c) with t = c * u, so that scales move out of products (a gradient averaged over a
-    data-parallel group is (1/dp) times the sum over its batch shard). A scaled term gives its
-    coefficient; a sum gives c > 0, the largest rational dividing every coefficient, which does
-    not depend on the order of the terms, so every rank's slice of a sum factors like the sum."""
-    term = r.u[t]
-    if term.op != "lin" or term.dtype not in FLOAT_DTYPES:  # integer lin truncates: no factoring
-        return t, Fraction(1)
-    coefs = term.attrs[0]
-    if len(coefs) == 1:
-        return term.args[0], coefs[0]
-    c = Fraction(math.gcd(*(k.numerator for k in coefs)), math.lcm(*(k.denominator for k in coefs)))
-    if c == 1:
-        return t, c
-    return r.lin([(a, k / c) for a, k in zip(term.args, coefs)]), c
-
-
 def _bilinear(r: Rules, op: str, args, attrs, shape, dtype) -> int | None:
     """c*x (op) d*y = c*d * (x (op) y) for ops linear in each real operand (mul, matmul); not for
     integers, where a fractional scale truncates."""
-    (x, c), (y, d) = (_common_factor(r, a) for a in args)
+    (x, c), (y, d) = (r.common_factor(a) for a in args)
     if c == 1 and d == 1:
         return None
     return r.scale(r.build(op, (x, y), attrs, shape, dtype), c * d)
@@ -108,7 +91,7 @@ def div(r: Rules, args, attrs, shape, dtype) -> int:
     value = r.full_value(args[1])
     if is_finite_number(value) and value != 0 and dtype in FLOAT_DTYPES:
         return r.scale(args[0], Fraction(1) / Fraction(value))
-    (x, c), (y, d) = (_common_factor(r, a) for a in args)
+    (x, c), (y, d) = (r.common_factor(a) for a in args)
     if c != 1 or d != 1:
         return r.scale(r.build("div", (x, y), attrs, shape, dtype), c / d)
     return elementwise(r, "div", args, attrs, shape, dtype)
