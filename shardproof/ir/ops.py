@@ -97,6 +97,8 @@ _SPECS = [
     OpSpec("amax", "reduce", _reduce(torch.amax), "max over dims attrs[0], keepdim attrs[1]"),
     OpSpec("argmax", "reduce", _argmax, "index of the max over the one dim attrs[0], keepdim attrs[1]"),
     OpSpec("softmax", "softmax", lambda xs, a: torch.softmax(xs[0], a[0]), "softmax over attrs[0]"),
+    OpSpec("logsumexp", "logsumexp", lambda xs, a: torch.logsumexp(xs[0], a[0]),
+           "log of the sum of exp over the one dim attrs[0]: a normal form (torch decomposes its logsumexp)"),
     OpSpec("log_softmax", "softmax", lambda xs, a: torch.log_softmax(xs[0], a[0]), "log-softmax over attrs[0]"),
     OpSpec("matmul", "matmul", _binary(torch.matmul), "torch.matmul: batch dims broadcast, contracts last of x with -2 of y"),
     OpSpec("embedding", "embedding", lambda xs, a: F.embedding(xs[1], xs[0]), "rows of weight xs[0] at ids xs[1]"),

@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 from shardproof.ir.ops import OPS
 from shardproof.relations.layout import Box, box_along
-from shardproof.relations.rules import elementwise, lookups, masks, one_hot, open_linear, products, reductions, topk
+from shardproof.relations.rules import elementwise, lookups, masks, one_hot, online_softmax, open_linear, products, reductions, topk
 from shardproof.relations.rules.linear import LinearRules
 from shardproof.relations.rules.regions import RegionRules
 from shardproof.relations.rules.values import FLOAT_DTYPES, intended, real
@@ -25,6 +25,7 @@ class Rules(RegionRules, ViewRules, LinearRules):
         self.reference_boxes: dict[int, set[Box]] = {}  # root -> boxes the reference sliced it to
         self.reference_one_hots: dict[tuple[int, int], set[int]] = {}  # (dim, index) -> widths the reference wrote
         self._built: dict[tuple, int] = {}  # (op, args, attrs, shape, dtype) -> term
+        self.attentions: dict[int, tuple[int, int]] = {}  # merged attention term -> (scores, values) (`online_softmax`)
         self.constant_terms: dict[int, bool] = {}  # term -> computed from constants alone (`of_constants`)
         self.assumptions: set[str] = set()  # what a proof using these terms takes for granted (in words)
 
@@ -119,6 +120,7 @@ _BY_KIND: dict[str, Callable[..., int]] = {
     "layout": _layout,
     "reduce": reductions.reduce,
     "softmax": reductions.softmax,
+    "logsumexp": online_softmax.logsumexp,
     "matmul": products.matmul,
     "embedding": lookups.embedding,
     "gather": lookups.gather,

@@ -11,6 +11,7 @@ from fractions import Fraction
 from typing import Any, Callable
 
 from shardproof.relations.layout import box_along
+from shardproof.relations.rules.online_softmax import merged
 from shardproof.relations.rules.regions import cat_bounds
 from shardproof.relations.rules.values import FLOAT_DTYPES, is_finite_number
 
@@ -36,7 +37,7 @@ class LinearRules:
         only, c = items[0]
         if len(items) == 1 and self.full_value(only) == 1 and self.u[only].dtype in FLOAT_DTYPES:
             return self.literal("full", (), (c,), self.shape(only), self.u[only].dtype)  # a scaled constant is a constant
-        by_parts = self._lin_of_cats(items)
+        by_parts = self._lin_of_cats(items) or merged(self, items)
         if by_parts is not None:
             return by_parts
         first = self.u[items[0][0]]

@@ -15,6 +15,7 @@ from shardproof.relations.rules.elementwise import elementwise
 from shardproof.relations.rules.linear import LinearRules
 from shardproof.relations.rules.lookups import unbroadcast
 from shardproof.relations.rules.one_hot import is_one_hot
+from shardproof.relations.rules.online_softmax import log_of_sum_exp
 from shardproof.relations.rules.values import FLOAT_DTYPES, is_finite_number, real
 
 if TYPE_CHECKING:
@@ -218,7 +219,8 @@ def log(r: Rules, args, attrs, shape, dtype) -> int:
     if x.op == "div" and r.op(x.args[0]) == "exp":
         exponent, divisor = r.u[x.args[0]].args[0], x.args[1]
         return r.lin([(exponent, Fraction(1)), (r.build("log", (divisor,), attrs, shape, dtype), Fraction(-1))])
-    return elementwise(r, "log", args, attrs, shape, dtype)
+    found = log_of_sum_exp(r, args[0], shape, dtype)
+    return found if found is not None else elementwise(r, "log", args, attrs, shape, dtype)
 
 
 def exp(r: Rules, args, attrs, shape, dtype) -> int:
