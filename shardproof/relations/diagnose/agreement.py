@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from shardproof.relations.rules.online_softmax import partial_result_of
+
 if TYPE_CHECKING:
     from shardproof.relations.rules import Rules
 
@@ -29,9 +31,12 @@ def unreduced(rules: Rules, t: int) -> set[tuple]:
 
 def grounded(rules: Rules, t: int, memo: dict[int, bool]) -> bool:
     """Built from reference values by regions and linear structure only, or from constants alone
-    (a causal mask from a rank's positions, the same whatever the weights): still agreeing."""
+    (a causal mask from a rank's positions, the same whatever the weights), or a partial result of
+    an online softmax over such values (a block's attention or log-sum-exp: as a piece is of a
+    sum, it is a part of the whole's before the merge): still agreeing."""
     if t not in memo:
         term = rules.u[t]
+        inputs = term.args if term.op in STRUCTURAL else partial_result_of(rules, t)
         memo[t] = rules.in_reference(t) or rules.of_constants(t) or (
-            term.op in STRUCTURAL and all(grounded(rules, a, memo) for a in term.args))
+            inputs is not None and all(grounded(rules, a, memo) for a in inputs))
     return memo[t]

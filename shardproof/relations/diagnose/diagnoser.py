@@ -14,6 +14,7 @@ from shardproof.relations.diagnose.candidates import TopCandidates
 from shardproof.relations.diagnose.collectives import CollectiveFaults
 from shardproof.relations.diagnose.finding import Finding
 from shardproof.relations.diagnose.lookups import MaskedLookups
+from shardproof.relations.diagnose.merges import MergeWeights
 from shardproof.relations.diagnose.missing_reduction import MissingReductions
 from shardproof.relations.diagnose.overlap import OverlappingShards
 from shardproof.relations.diagnose.reads import CollectiveOperands
@@ -27,7 +28,7 @@ from shardproof.report.terms import describe, line_of, placement, value_name
 
 
 class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOperands, OverlappingShards, MaskedLookups,
-                LayoutFaults, RankChunks, TopCandidates):
+                LayoutFaults, RankChunks, TopCandidates, MergeWeights):
     def __init__(self, run: Execution, reference: Graph, ranks: list[Graph]):
         self.run = run
         self.r: Rules = run.rules
@@ -80,6 +81,7 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
                 or self._mismatched_lookup_mask(rank, chain)
                 or self._misplaced_positions(rank, chain)
                 or self._too_few_candidates(rank, chain)
+                or self._misweighted_merge(rank, chain)
             )
             if found is not None:
                 return found

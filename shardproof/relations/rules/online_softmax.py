@@ -82,8 +82,8 @@ def logsumexp(r: Rules, op: str, args, attrs, shape, dtype) -> int:
         if None not in inner and len({e for _, e in inner}) == 1:
             e = inner[0][1]
             r.assumptions.add(FINITE_BLOCKS)
-            return r.build(LSE, (_in_key_order(r, [s for s, _ in inner], e),), (e,), shape, dtype)
-        ordered = _in_key_order(r, list(term.args), dim)
+            return r.build(LSE, (in_key_order(r, [s for s, _ in inner], e),), (e,), shape, dtype)
+        ordered = in_key_order(r, list(term.args), dim)
         if ordered != x:
             return r.build(LSE, (ordered,), attrs, shape, dtype)
     root, box = r.as_region(x)
@@ -100,13 +100,12 @@ def _lse_of(r: Rules, t: int, dim: int) -> tuple[int, int] | None:
     others = tuple(d for d in range(len(term.shape)) if d != dim)
     if term.shape[dim] != 1 or not (term.op == "view" or term.op == "bcast" and term.attrs[0] == others):
         return None
-    inner = r.u[term.args[0]]
-    if inner.op != LSE or inner.shape != term.shape[:dim] + term.shape[dim + 1 :]:
+    if r.shape(term.args[0]) != term.shape[:dim] + term.shape[dim + 1 :]:
         return None
-    return inner.args[0], inner.attrs[0]
+    return _as_lse(r, term.args[0])
 
 
-def _in_key_order(r: Rules, parts: list[int], dim: int) -> int:
+def in_key_order(r: Rules, parts: list[int], dim: int) -> int:
     return r.cat(_key_ordered(r, parts, dim), dim)
 
 
@@ -118,6 +117,23 @@ def _key_ordered(r: Rules, parts: list[int], dim: int) -> list[int]:
     if len({root for root, _ in regions}) != 1:
         return parts
     return [p for _, p in sorted(zip((box[dim] for _, box in regions), parts))]
+
+
+def partial_result_of(r: Rules, t: int) -> list[int] | None:
+    """The values `t` is computed from if it is a partial result of an online softmax: a block's
+    log-sum-exp (or a region of one), its attention, or a merge weight exp(sum of log-sum-exps)."""
+    lse = _as_lse(r, t)
+    if lse is not None:
+        return [lse[0]]
+    attention = attention_of(r, t)
+    if attention is not None:
+        return list(attention)
+    power, box = r.as_region(t)
+    exponent = r.u[r.u[power].args[0]] if r.op(power) == "exp" else None
+    if exponent is None or exponent.op != "lin":
+        return None
+    scores = [_as_lse(r, a) for a in exponent.args]
+    return None if None in scores else [s for s, _ in scores]
 
 
 def attention_of(r: Rules, t: int) -> tuple[int, int] | None:
@@ -140,7 +156,7 @@ def merged(r: Rules, items: list[tuple[int, Fraction]]) -> int | None:
         return None
     blocks, whole = {}, None
     for t, _ in items:
-        found = _weighted_block(r, t)
+        found = weighted_block(r, t)
         if found is None:
             return None
         scores, values, total = found
@@ -148,7 +164,7 @@ def merged(r: Rules, items: list[tuple[int, Fraction]]) -> int | None:
             return None
         whole = total
         blocks.update(_apart(r, scores, values))
-    joined, dim = r.u[whole].args[0], r.u[whole].attrs[0]
+    joined, dim = whole
     parts = _key_ordered(r, list(blocks), dim)
     if dim != len(r.shape(joined)) - 1 or r.cat(parts, dim) != joined:
         return None
@@ -175,7 +191,7 @@ def _apart(r: Rules, scores: int, values: int) -> dict[int, int]:
     return parts
 
 
-def _weighted_block(r: Rules, t: int) -> tuple[int, int, int] | None:
+def weighted_block(r: Rules, t: int) -> tuple[int, int, int] | None:
     """(s_i, v_i, LSE(S)) of exp(LSE(s_i) - LSE(S)) broadcast over the head dim, times softmax(s_i) @ v_i."""
     term = r.u[t]
     if term.op != "mul":
@@ -185,12 +201,27 @@ def _weighted_block(r: Rules, t: int) -> tuple[int, int, int] | None:
         w = r.u[weight]
         if attention is None or w.op != "bcast" or w.attrs[0] != tuple(range(len(w.shape) - 1)):
             continue
-        power = r.u[w.args[0]]
-        exponent = r.u[power.args[0]] if power.op == "exp" else None
+        power, box = r.as_region(w.args[0])  # exp(...), or a rank's rows of it
+        exponent = r.u[r.slice(r.u[power].args[0], box)] if r.op(power) == "exp" else None
         if exponent is None or exponent.op != "lin" or sorted(exponent.attrs[0]) != [-1, 1]:
             continue
-        own, total = (exponent.args if exponent.attrs[0][0] == 1 else exponent.args[::-1])
-        if r.op(own) == LSE and r.op(total) == LSE and r.u[own].args[0] == attention[0]:
+        own, total = (_as_lse(r, t) for t in (exponent.args if exponent.attrs[0][0] == 1 else exponent.args[::-1]))
+        if own is not None and total is not None and own[0] == attention[0]:
             return attention[0], attention[1], total
     return None
+
+
+def _as_lse(r: Rules, t: int) -> tuple[int, int] | None:
+    """(scores, dim) with t = LSE(scores, dim): an LSE term or a region of one along kept dims (a
+    rank's rows of the whole's)."""
+    root, box = r.as_region(t)
+    term = r.u[root]
+    if term.op != LSE:
+        return None
+    (dim,) = term.attrs
+    scores = term.args[0]
+    if root == t:
+        return scores, dim
+    full = (0, r.shape(scores)[dim])
+    return r.slice(scores, box[:dim] + (full,) + box[dim:]), dim
 
