@@ -122,6 +122,8 @@ def _key_ordered(r: Rules, parts: list[int], dim: int) -> list[int]:
 def partial_result_of(r: Rules, t: int) -> list[int] | None:
     """The values `t` is computed from if it is a partial result of an online softmax: a block's
     log-sum-exp (or a region of one), its attention, or a merge weight exp(sum of log-sum-exps)."""
+    if r.op(t) not in (LSE, "slice", "exp", "matmul") and t not in r.attentions:
+        return None  # (seen first: this runs for every term a diagnosis or a call boundary reads)
     lse = _as_lse(r, t)
     if lse is not None:
         return [lse[0]]
