@@ -37,7 +37,8 @@ class LinearRules:
         only, c = items[0]
         if len(items) == 1 and self.full_value(only) == 1 and self.u[only].dtype in FLOAT_DTYPES:
             return self.literal("full", (), (c,), self.shape(only), self.u[only].dtype)  # a scaled constant is a constant
-        by_parts = self._lin_of_cats(items) or merged(self, items)
+        by_parts = self._lin_of_cats(items)
+        by_parts = merged(self, items) if by_parts is None else by_parts
         if by_parts is not None:
             return by_parts
         first = self.u[items[0][0]]

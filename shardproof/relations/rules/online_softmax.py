@@ -3,7 +3,8 @@ attention over key blocks computed apart.
 
 `logsumexp(x, d)` = log(sum(exp(x), d)) is one term however it is spelled: torch decomposes
 `torch.logsumexp` into log(sum(exp(x - c))) + c, c the max along d guarded against infinities,
-and any c constant along d cancels over the reals. Over key blocks s_i joined along d, S = cat_i s_i:
+and any c constant along d cancels over the reals. Shifted by the plain row max it is log-softmax's
+spelling (vocab-parallel cross entropy's), which keeps its own normal form (`reductions.py`). Over key blocks s_i joined along d, S = cat_i s_i:
 - LSE(stack_i LSE(s_i, d)) = LSE(S, d): the log-sum-exp of the blocks' log-sum-exps (a ring's
   running `logaddexp`, or `logsumexp` of the stacked ones);
 - sum_i exp(LSE(s_i) - LSE(S)) * (softmax(s_i) @ v_i) = softmax(S) @ cat_i v_i: the merge of the
@@ -34,6 +35,8 @@ def log_of_sum_exp(r: Rules, summed: int, shape: tuple[int, ...], dtype: str) ->
     exponent, dim = r.u[found[0]], found[1]
     pairs = list(zip(exponent.args, exponent.attrs[0])) if exponent.op == "lin" else [(found[0], Fraction(1))]
     rows = [(_row(r, t, dim, shape), c) for t, c in pairs]
+    if any(row is not None and r.op(row) == "amax" for row, _ in rows):
+        return None  # shifted by the row max: log-softmax's spelling (`reductions.log_softmax`), met op for op
     varying = [(t, c) for (t, c), (row, _) in zip(pairs, rows) if row is None]
     if not varying:
         return None
