@@ -3,8 +3,9 @@ attention over key blocks computed apart.
 
 `logsumexp(x, d)` = log(sum(exp(x), d)) is one term however it is spelled: torch decomposes
 `torch.logsumexp` into log(sum(exp(x - c))) + c, c the max along d guarded against infinities,
-and any c constant along d cancels over the reals. Shifted by the plain row max it is log-softmax's
-spelling (vocab-parallel cross entropy's), which keeps its own normal form (`reductions.py`). Over key blocks s_i joined along d, S = cat_i s_i:
+and any c constant along d cancels over the reals. (Shifted by the plain row max it is log-softmax's
+spelling, vocab-parallel cross entropy's, which keeps its own normal form: `reductions.py`.)
+Over key blocks s_i joined along d, S = cat_i s_i:
 - LSE(stack_i LSE(s_i, d)) = LSE(S, d): the log-sum-exp of the blocks' log-sum-exps (a ring's
   running `logaddexp`, or `logsumexp` of the stacked ones);
 - sum_i exp(LSE(s_i) - LSE(S)) * (softmax(s_i) @ v_i) = softmax(S) @ cat_i v_i: the merge of the
@@ -84,7 +85,6 @@ def logsumexp(r: Rules, op: str, args, attrs, shape, dtype) -> int:
         inner = [_lse_of(r, p, dim) for p in term.args]
         if None not in inner and len({e for _, e in inner}) == 1:
             e = inner[0][1]
-            r.assumptions.add(FINITE_BLOCKS)
             return r.build(LSE, (in_key_order(r, [s for s, _ in inner], e),), (e,), shape, dtype)
         ordered = in_key_order(r, list(term.args), dim)
         if ordered != x:
@@ -109,6 +109,7 @@ def _lse_of(r: Rules, t: int, dim: int) -> tuple[int, int] | None:
 
 
 def in_key_order(r: Rules, parts: list[int], dim: int) -> int:
+    """The blocks joined along `dim` in key order (`_key_ordered`)."""
     return r.cat(_key_ordered(r, parts, dim), dim)
 
 
@@ -196,8 +197,9 @@ def _apart(r: Rules, scores: int, values: int) -> dict[int, int]:
     return parts
 
 
-def weighted_block(r: Rules, t: int) -> tuple[int, int, int] | None:
-    """(s_i, v_i, LSE(S)) of exp(LSE(s_i) - LSE(S)) broadcast over the head dim, times softmax(s_i) @ v_i."""
+def weighted_block(r: Rules, t: int) -> tuple[int, int, tuple[int, int]] | None:
+    """(s_i, v_i, (S, d)) of exp(LSE(s_i, d) - LSE(S, d)), broadcast over the last dim, times
+    softmax(s_i) @ v_i."""
     term = r.u[t]
     if term.op != "mul":
         return None
@@ -210,7 +212,7 @@ def weighted_block(r: Rules, t: int) -> tuple[int, int, int] | None:
         exponent = r.u[r.slice(r.u[power].args[0], box)] if r.op(power) == "exp" else None
         if exponent is None or exponent.op != "lin" or sorted(exponent.attrs[0]) != [-1, 1]:
             continue
-        own, total = (_as_lse(r, t) for t in (exponent.args if exponent.attrs[0][0] == 1 else exponent.args[::-1]))
+        own, total = (_as_lse(r, a) for a in (exponent.args if exponent.attrs[0][0] == 1 else exponent.args[::-1]))
         if own is not None and total is not None and own[0] == attention[0]:
             return attention[0], attention[1], total
     return None
