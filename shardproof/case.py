@@ -90,8 +90,9 @@ def normalize_output(output: Any) -> Output:
         return ("replicate",)
     if isinstance(output, (tuple, list)) and len(output) == 2 and output[0] == "shard":
         return ("shard", int(output[1]))
-    if isinstance(output, (tuple, list)) and (tuple(output[::2]) == ("shard", "zigzag") and len(output) == 3 or len(output) == 2 and output[0] == "zigzag"):
-        return ("zigzag", int(output[1]))  # also the normalized form, read again
+    spelled = tuple(output) if isinstance(output, (tuple, list)) else ()
+    if len(spelled) == 3 and spelled[::2] == ("shard", "zigzag") or len(spelled) == 2 and spelled[0] == "zigzag":
+        return ("zigzag", int(spelled[1]))  # (the normalized form, read again, too)
     raise CaseError(f"OUTPUT must be 'replicate', ('shard', dim) or ('shard', dim, 'zigzag'), got {output!r}")
 
 
