@@ -25,7 +25,8 @@ if TYPE_CHECKING:
     from shardproof.relations.rules.core import Rules
 
 LSE = "logsumexp"
-FINITE_BLOCKS = "the log-sum-exp of every key block's scores is finite (no row of a block is masked entirely)"
+FINITE_BLOCKS = ("attention merged by log-sum-exp: equal to the reference's where every key block's log-sum-exp is "
+                 "finite (no row of a merged block masked entirely)")
 
 
 def log_of_sum_exp(r: Rules, summed: int, shape: tuple[int, ...], dtype: str) -> int | None:
