@@ -97,16 +97,17 @@ class ViewRules:
 
     def _cat_of_views(self, x: int, shape: tuple[int, ...]) -> int | None:
         """view(cat(parts), shape) as the cat of the parts viewed alike, when the reshape leaves
-        the cat dim alone (its own group) or splits it into an outer dim and inner ones that each
-        part's extent is a multiple of (ranks' blocks stacked flat, viewed (ranks, rows, ...));
-        None otherwise."""
+        the cat dim alone (its own group) or splits it into one outer row per part (ranks' equal
+        blocks stacked flat, viewed (ranks, rows, ...)); None otherwise. Parts spanning several
+        outer rows stay a view of the cat: a rank's [q | k | v] rows read as per-group blocks is
+        then wrong at that view, where the diagnosis names it."""
         term = self.u[x]
         dim = term.attrs[0]
         alone = [dst for src, dst in reshape_groups(term.shape, shape) or [] if src == [dim] and dst]
         if not alone:
             return None
         out_dim, inner = alone[0][0], math.prod(shape[d] for d in alone[0][1:])
-        if any(self.shape(p)[dim] % inner for p in term.args):
+        if len(alone[0]) > 1 and any(self.shape(p)[dim] != inner for p in term.args):
             return None
         parts = []
         for p in term.args:
