@@ -172,6 +172,19 @@ def test_inexact_ops_on_constants_are_not_folded():
     assert b.op_of(b.op("exp", b.scalar(0.1, ()))) == "exp"
 
 
+@pytest.mark.parametrize("value, exact", [(0.0, True), (2.25, True), (2.0, False)])
+def test_a_square_root_folds_where_it_squares_back(value, exact):
+    """Adam on zero padding: sqrt(0) is 0, so the update 0 / (sqrt(0) + eps) is exactly 0."""
+    b = Build()
+    root = b.op("sqrt", b.scalar(value, (3,)))
+    b.check(root)
+    assert (b.op_of(root) == "full") == exact
+    if value == 0:
+        update = b.op("div", b.scalar(0.0, (3,)), b.add(root, b.scalar(1e-8, (3,))))
+        b.check(update)
+        assert b.op_of(update) == "full"
+
+
 def test_elementwise_ops_of_reshapes_are_reshapes_of_the_op():
     """where(view(m), view(a) - c, 0) = view(where(m, a - c, 0)): flattening before or after meets."""
     b = Build()

@@ -185,3 +185,25 @@ def test_an_integer_constant_added_to_floats_is_a_float_sum_whichever_comes_firs
     b.check(product)
     assert b.u[half_sum.term].dtype == "float64"
     assert product.term == b.op("mul", b.op("mul", b.add(x, one), z), b.scalar(0.5, (2, 3))).term
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_ranks_shares_of_several_sums_add_up_to_a_flat_sum(ranks):
+    """A rank's share of two sums over its rows (a bias gradient through a norm's backward: one
+    share of each term) is one piece of their joint sum; the ranks' pieces, each divided before
+    they are summed (FSDP's pre-divided reduce-scatter), add up to that joint sum, itself a sum:
+    its terms stand beside the others', as in the reference's sum."""
+    b = Build()
+    x, y = b.leaf("x", (8, 3)), b.leaf("y", (8, 3))
+    rows = 8 // ranks
+
+    def share(r):
+        lo, hi = r * rows, (r + 1) * rows
+        return b.add(b.op("sum", b.sl(x, 0, lo, hi), attrs=((0,), False)),
+                     b.op("mul", b.op("sum", b.sl(y, 0, lo, hi), attrs=((0,), False)), b.scalar(3.0, (3,))))
+
+    averaged = b.add(*(b.op("div", share(r), b.scalar(float(ranks), (3,))) for r in range(ranks)))
+    b.check(averaged)
+    whole = b.add(b.op("sum", x, attrs=((0,), False)), b.op("mul", b.op("sum", y, attrs=((0,), False)), b.scalar(3.0, (3,))))
+    expected = b.op("div", whole, b.scalar(float(ranks), (3,)))
+    assert averaged.term == expected.term

@@ -4,6 +4,7 @@ operands, and fold on constants where that is exact. The fallback of the more sp
 
 from __future__ import annotations
 
+import math
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
@@ -27,9 +28,9 @@ _EXACT_ON_CONSTANTS = {"abs", "maximum", "minimum", "logical_not", "logical_and"
 def elementwise(r: Rules, op: str, args: tuple[int, ...], attrs: tuple, shape: tuple[int, ...], dtype: str) -> int:
     """Elementwise ops commute with slices, concatenation and broadcasting of all their operands."""
     values = [r.full_value(a) for a in args]
-    if op in _EXACT_ON_CONSTANTS and None not in values:  # e.g. lerp's `|weight| >= 0.5` on a constant weight
-        exact = [torch.tensor(float(v) if isinstance(v, Fraction) else v) for v in values]
-        return r.const(("full", run_op(op, exact, attrs).item()), shape, dtype)
+    folded = None if None in values else _folded(op, values, attrs)
+    if folded is not None:
+        return r.const(("full", folded), shape, dtype)
     for a in args:
         for root, box in r.regions(a):
             if root == a:
@@ -63,6 +64,18 @@ def elementwise(r: Rules, op: str, args: tuple[int, ...], attrs: tuple, shape: t
     if op in _COMMUTATIVE:
         args = tuple(sorted(args))  # a * b and b * a are one term
     return r.literal(op, args, attrs, shape, dtype)
+
+
+def _folded(op: str, values: list, attrs: tuple) -> object | None:
+    """The op's value on constant operands where it is exact: ops exact in floating point (lerp's
+    `|weight| >= 0.5` on a constant weight), and a square root that squares back to its operand
+    (Adam's `sqrt(v)` of zero padding, whose update is then exactly zero)."""
+    if op not in _EXACT_ON_CONSTANTS and op != "sqrt":
+        return None
+    value = run_op(op, [torch.tensor(float(v) if isinstance(v, Fraction) else v) for v in values], attrs).item()
+    if op == "sqrt" and not (math.isfinite(value) and Fraction(value) ** 2 == Fraction(values[0])):
+        return None
+    return value
 
 
 _COMMUTATIVE = {"mul", "maximum", "minimum", "logical_and", "logical_or", "eq", "ne"}

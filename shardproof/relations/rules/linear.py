@@ -28,6 +28,8 @@ class LinearRules:
                 inner, ic = self._unit_constant(inner, ic)
                 coefs[inner] = coefs.get(inner, Fraction(0)) + Fraction(c) * ic
         coefs = self._merge_pieces({t: c for t, c in coefs.items() if c != 0})
+        if any(self.u[t].op == "lin" for t in coefs):  # pieces merged into a whole that is a sum itself
+            return self.lin(list(coefs.items()))
         items = sorted(coefs.items())
         if not items:
             first = pairs[0][0]
