@@ -113,7 +113,9 @@ def _dtensor_local(full: torch.Tensor, held: DTensor, rank: int) -> torch.Tensor
     local = full
     for mesh_dim, placement in enumerate(held.placements):
         if isinstance(placement, Shard):
-            local = local.chunk(mesh.size(mesh_dim), placement.dim)[coordinate[mesh_dim]]
+            # DTensor's own arithmetic: torch.chunk's sizes, and empty shards past the last chunk
+            size, offset = Shard.local_shard_size_and_offset(local.size(placement.dim), mesh.size(mesh_dim), coordinate[mesh_dim])
+            local = local.narrow(placement.dim, offset, size)
     return local
 
 

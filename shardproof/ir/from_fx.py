@@ -165,7 +165,7 @@ class Lowerer:
         key = _aten_key(node.target)
         written = _written(node)
         lowerings = self.lowerings(key) or (self.lowerings(key.removesuffix("_")) if written else [])
-        kwargs = {k: v for k, v in node.kwargs.items() if v not in written}  # out= holds a result, not an operand
+        kwargs = {k: v for k, v in node.kwargs.items() if not _only_written(v, written)}  # out= holds a result, not an operand
         before = len(self.graph.nodes)
         result = next((r for r in (self.lowered(node, lower, kwargs) for lower in lowerings) if r is not _DECLINED), _DECLINED)
         if result is _DECLINED:
@@ -305,19 +305,22 @@ class Lowerer:
         new_values = _written_values(result, len(written))
         if new_values is None:
             raise UnsupportedOp(f"in-place {key} on aliased memory", _at(self.location(node)))
-        for target, value in zip(written, new_values):
-            self._propagate(views, target, value, here)
+        for i, (target, value) in enumerate(zip(written, new_values)):
+            # before the last, every view of the memory takes the write: the next target may be one
+            self._propagate(views, target, value, here, every=i < len(written) - 1)
 
     def _read_later(self, views: Views, member: fx.Node, here: int) -> bool:
         return views.order[member] < here and any(views.order[user] > here for user in member.users)
 
-    def _propagate(self, views: Views, target: fx.Node, value: int, here: int) -> None:
+    def _propagate(self, views: Views, target: fx.Node, value: int, here: int, every: bool = False) -> None:
+        """`target` holds `value` now: so does every view of its memory read later (`every`: every
+        view made before the write, such as the other targets of one op writing several)."""
         chain = views.chain(target)
         values = {target: value}
         for child, source in zip(chain, chain[1:]):
             values[source] = self._unviewed(views.steps[child], child, self.env[source], values[child])
         family = [m for m in views.family(chain[-1]) if views.order[m] < here]
-        needed: set[fx.Node] = set()
+        needed: set[fx.Node] = set(family) if every else set()
         for member in reversed(family):  # a member is needed if read later or viewed by one that is
             if self._read_later(views, member, here) or any(c in needed for c in views.children.get(member, [])):
                 needed.add(member)
@@ -406,12 +409,15 @@ def _structured(value: Any, env: dict[fx.Node, Value]) -> Value:
 
 
 def _functional(target: Any) -> Any | None:
-    """The out-of-place overload of an in-place op (`add_.Tensor` -> `add.Tensor`); other ops as
-    they are; None where there is none."""
+    """The out-of-place overload of an in-place op (`add_.Tensor` -> `add.Tensor`) or of one
+    writing into `out=` (`_chunk_cat.out` -> `_chunk_cat.default`); other ops as they are; None
+    where there is none."""
     schema = target._schema
     if not any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
         return target
     namespace, name = schema.name.split("::")
+    if target._overloadname == "out":
+        return getattr(getattr(getattr(torch.ops, namespace), name), "default", None)
     packet = getattr(getattr(torch.ops, namespace), name.removesuffix("_"), None) if name.endswith("_") else None
     return getattr(packet, target._overloadname, None) if packet is not None else None
 
@@ -450,14 +456,23 @@ def _written(node: fx.Node) -> list[fx.Node]:
     return written
 
 
+def _only_written(arg: Any, written: list[fx.Node]) -> bool:
+    """`arg` is tensors the op writes into (`out=`, a list of them), none of which it reads."""
+    nodes = _nodes_in(arg)
+    return bool(nodes) and all(n in written for n in nodes)
+
+
 def _written_values(result: Value, count: int) -> list[int] | None:
     """The new values of the tensors an op wrote, from what its lowering returned: the value (an
     in-place op), or the list first in the result (an in-place collective's (tensors, work)), or the
-    one tensor first (all_gather_into_tensor's (tensor, work))."""
+    one tensor first (all_gather_into_tensor's (tensor, work)), or one value per tensor (a foreach
+    op: `_foreach_copy_`)."""
     if isinstance(result, int) and count == 1:
         return [result]
     if isinstance(result, tuple) and result and isinstance(result[0], int) and count == 1:
         return [result[0]]
+    if isinstance(result, (list, tuple)) and len(result) == count and all(isinstance(v, int) for v in result):
+        return list(result)
     if isinstance(result, tuple) and result and isinstance(result[0], (list, tuple)) and len(result[0]) == count:
         return list(result[0]) if all(isinstance(v, int) for v in result[0]) else None
     return None
@@ -738,6 +753,31 @@ def _split_sizes(lo: Lowerer, x, sizes: list[int], dim: int = 0) -> tuple[int, .
         out.append(slice_value(lo, value, dim, start, start + size))
         start += size
     return tuple(out)
+
+
+def _as_strided(lo: Lowerer, x, size, stride, storage_offset=None) -> int:
+    """A strided view that reads a run of a contiguous tensor's memory in row-major order (FSDP2
+    views its flat all-gathered and reduce-scattered buffers as parameters and gradients so) is a
+    slice of the tensor flattened, reshaped. Other strides decline: an open op."""
+    val = x.meta.get("val") if isinstance(x, fx.Node) else None
+    size = tuple(size)
+    if not isinstance(val, torch.Tensor) or not val.is_contiguous() or tuple(stride) != _contiguous_strides(size):
+        raise Declined
+    start = 0 if storage_offset is None else storage_offset - val.storage_offset()
+    numel = math.prod(size)
+    if start < 0 or start + numel > val.numel():
+        raise Declined
+    value = lo.tensor(x)
+    flat = lo.emit("view", (value,), ((val.numel(),),), (val.numel(),), lo.dtype(value))
+    return lo.emit("view", (slice_value(lo, flat, 0, start, start + numel),), (size,), size, lo.dtype(value))
+
+
+def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(size):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 def _split(lo: Lowerer, x, split_size, dim: int = 0) -> tuple[int, ...]:
@@ -1362,6 +1402,8 @@ _LOWER: dict[str, Callable[..., Value]] = {
     "aten.select": _select,
     "aten.split": _split,
     "aten.split_with_sizes": _split_sizes,
+    "aten.as_strided": _as_strided,
+    "aten.split_with_sizes_copy": _split_sizes,  # values, not views: the IR has no aliasing
     "aten.chunk": _chunk,
     "aten.unbind": _unbind,
     "aten.cat": _cat,
@@ -1434,6 +1476,7 @@ _LOWER: dict[str, Callable[..., Value]] = {
     "aten.triu": _mask("triu"),
     "aten.tril": _mask("tril"),
     "aten.copy": _copy,
+    "aten._foreach_copy": lambda lo, dsts, srcs, *args: [_copy(lo, dst, src) for dst, src in zip(dsts, srcs)],
     "aten.fill": _fill,
     "aten.zero": _filled(0),
     # the optimizer's profiling scopes: no value

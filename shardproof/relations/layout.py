@@ -62,6 +62,53 @@ def reshape_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[lis
     return groups
 
 
+def source_box(src: tuple[int, ...], dst: tuple[int, ...], box: Box) -> Box | None:
+    """The box S of a tensor X of shape `src` with view(X, dst)[box] == view(X[S], box's shape), if
+    there is one: in every reshape group the box reads one run of the group's elements in row-major
+    order, and that run is a box of the group's source dims (single indices, then a range, then
+    whole dims). A range of a flattened buffer that lies inside one row is a slice of that row."""
+    groups = reshape_groups(src, dst)
+    if groups is None or 0 in src:
+        return None
+    out = [(0, n) for n in src]
+    for gi, gj in groups:
+        run = _run_of_box([dst[d] for d in gj], [box[d] for d in gj])
+        inner = None if run is None else _box_of_run([src[d] for d in gi], *run)
+        if inner is None:
+            return None
+        for d, r in zip(gi, inner):
+            out[d] = r
+    return tuple(out)
+
+
+def _run_of_box(sizes: list[int], box: list[tuple[int, int]]) -> tuple[int, int] | None:
+    """The [lo, hi) of row-major positions a box of dims `sizes` covers, if they are one run:
+    single indices, then a range, then whole dims."""
+    ranged = next((d for d, (a, b) in enumerate(box) if b - a != 1), len(box))
+    if any(box[d] != (0, sizes[d]) for d in range(ranged + 1, len(box))):
+        return None
+    lo = 0
+    for n, (a, _) in zip(sizes, box):
+        lo = lo * n + a
+    return lo, lo + math.prod(b - a for a, b in box)
+
+
+def _box_of_run(sizes: list[int], lo: int, hi: int) -> list[tuple[int, int]] | None:
+    """The box of dims `sizes` whose row-major positions are exactly [lo, hi), if there is one."""
+    for j in range(len(sizes)):
+        inner = math.prod(sizes[j + 1 :])
+        outer = inner * sizes[j]
+        if lo % inner == 0 and hi % inner == 0 and lo // outer == (hi - 1) // outer:
+            box, rest = [], lo
+            for d in range(j):
+                step = math.prod(sizes[d + 1 :])
+                box.append((rest // step, rest // step + 1))
+                rest %= step
+            box.append(((lo // inner) % sizes[j], (hi - 1) // inner % sizes[j] + 1))
+            return box + [(0, n) for n in sizes[j + 1 :]]
+    return None
+
+
 def view_of_box(
     global_src: tuple[int, ...], box: Box, local_dst: tuple[int, ...], ones_split: bool = False, ones_last: bool = False
 ) -> tuple[tuple[int, ...], Box] | None:
@@ -78,6 +125,8 @@ def view_of_box(
     dropped: one head of a batch of one, `(1, 1, s, d) -> (1, s, d)`, is that head of
     `(heads, s, d)`, and back, `(1, s, d) -> (1, 1, s, d)`, of `(1, heads, s, d)`.
     """
+    if 0 in local_dst or any(hi == lo for lo, hi in box):  # an empty region (a rank's empty shard) has no layout
+        return None
     local_src = box_shape(box)
     groups = reshape_groups(local_src, local_dst)
     if groups is None:

@@ -61,3 +61,33 @@ def test_a_shard_cut_by_a_custom_op_is_proven_and_a_wrong_one_found() -> None:
     report = verify(_case(False), world_size=2)  # every rank cuts shard 0 of the weight
     assert report.verdict == "discrepancy" and "overlapping shards" in report.diagnosis
     assert not run_numeric(_case(False), 2).agree
+
+
+_LIB = torch.library.Library("shardproof_test_lib", "DEF")
+_LIB.define("copy_columns(Tensor x, int world_size, int rank, *, Tensor(a!) out) -> ()")
+
+
+@torch.library.impl(_LIB, "copy_columns", "CPU")
+@torch.library.impl(_LIB, "copy_columns", "Meta")
+def _copy_columns(x: torch.Tensor, world_size: int, rank: int, out: torch.Tensor) -> None:
+    """An op declared with `torch.library.Library`, writing into `out=` (FSDP2's copy-out ops are so)."""
+    out.copy_(torch.chunk(x, world_size, dim=-1)[rank])
+
+
+class _CopiedRowParallel(RowParallel):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mine = x.new_empty((*x.shape[:-1], x.shape[-1] // self.world_size))
+        torch.ops.shardproof_test_lib.copy_columns(x, self.world_size, dist.get_rank(), out=mine)
+        out = self.down(mine)
+        dist.all_reduce(out)
+        return out
+
+
+@pytest.mark.parametrize("mode", ["forward", "train"])
+def test_a_library_op_with_a_python_cpu_kernel_is_traced_through_it(mode: str) -> None:
+    case = Case(RowParallel, lambda rank, world_size: _CopiedRowParallel(world_size), lambda: (torch.randn(5, IN),),
+                loss=lambda out, x: out.square().sum())
+    graph = capture(case, 2, mode=mode).ranks[1]
+    assert not any("copy_columns" in n.op for n in graph.nodes)
+    assert verify(case, world_size=2, train=mode == "train").verdict == "equivalent"
+    assert run_numeric(case, 2, mode=mode).agree

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shardproof.relations.layout import box_shape, compose, full_box, reshape_groups, view_of_box
+from shardproof.relations.layout import box_shape, compose, full_box, reshape_groups, source_box, view_of_box
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 PRIMES = (2, 3, 5)
@@ -247,3 +248,20 @@ def test_compose_is_slice_of_slice(data):
     inner = data.draw(boxes(box_shape(outer)))
     x = torch.randn(src, dtype=torch.float64)
     torch.testing.assert_close(_region(_region(x, outer), inner), _region(x, compose(outer, inner)), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("src, dst, box, expected", [
+    ((2, 54), (108,), ((0, 48),), ((0, 1), (0, 48))),  # one parameter's chunk of rank 0's row
+    ((2, 54), (108,), ((54, 102),), ((1, 2), (0, 48))),  # of rank 1's row
+    ((2, 54), (108,), ((48, 60),), None),  # across two rows: no box
+    ((2, 3, 4), (24,), ((12, 24),), ((1, 2), (0, 3), (0, 4))),
+    ((2, 3, 4), (6, 4), ((3, 5), (1, 4)), ((1, 2), (0, 2), (1, 4))),
+    ((2, 0), (0,), ((0, 0),), None),  # empty
+])
+def test_source_box_is_the_box_a_view_s_box_reads(src, dst, box, expected) -> None:
+    assert source_box(src, dst, box) == expected
+    if expected is not None:
+        x = torch.arange(math.prod(src)).reshape(src)
+        read = x.reshape(dst)[tuple(slice(lo, hi) for lo, hi in box)]
+        inner = x[tuple(slice(lo, hi) for lo, hi in expected)]
+        assert torch.equal(read, inner.reshape(read.shape))

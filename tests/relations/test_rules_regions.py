@@ -461,3 +461,23 @@ def test_a_rank_applying_the_reference_op_to_the_reference_operands_gets_the_ref
         y = rotated_times_sin(lo, lo + 2)
         b.check(y)
         assert y.term == b.sl(reference, 1, lo, lo + 2).term
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_a_parameter_s_chunks_of_a_flat_buffer_s_rows_are_the_parameter(ranks):
+    """FSDP2's all-gather output: each rank's row holds its chunk of every parameter side by side;
+    the rows viewed as (ranks, per-rank) and one parameter's columns taken, flattened, read back the
+    parameter; one row's chunk read through the flat buffer is that rank's chunk."""
+    b = Build()
+    w, bias = b.leaf("w", (ranks * 2, 3)), b.leaf("bias", (ranks * 2,))
+    flat_w, row = b.view(w, (ranks * 6,)), 6 + 2
+    parts = []
+    for r in range(ranks):
+        parts += [b.sl(flat_w, 0, 6 * r, 6 * (r + 1)), b.sl(bias, 0, 2 * r, 2 * (r + 1))]
+    rows = b.view(b.cat(parts, 0), (ranks, row))
+    weight = b.view(b.view(b.sl(rows, 1, 0, 6), (ranks * 6,)), (ranks * 2, 3))
+    b.check(weight)
+    assert weight.term == w.term
+    last = b.sl(b.view(b.cat(parts, 0), (ranks * row,)), 0, row * (ranks - 1), row * (ranks - 1) + 6)
+    b.check(last)
+    assert last.term == b.sl(flat_w, 0, 6 * (ranks - 1), 6 * ranks).term

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from shardproof.ir.ops import OPS
-from shardproof.relations.layout import Box, box_shape, compose, full_box
+from shardproof.relations.layout import Box, box_shape, compose, full_box, source_box
 from shardproof.relations.rules import aranges
 from shardproof.relations.rules.values import PARTS
 
@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 
 _ELEMENTWISE = ("unary", "binary", "compare", "where", "pointwise")
+_MAX_ROWS = 64  # rows of a flat collective buffer read one by one: one per rank
 
 
 class RegionRules:
@@ -47,9 +48,38 @@ class RegionRules:
             moved = self._slice_repeat(x, box)
             if moved is not None:
                 return moved
+        if term.op == "view":
+            moved = self._slice_view_of_cat(x, box)
+            if moved is not None:
+                return moved
         if self.reference_size is None:
             self.reference_boxes.setdefault(x, set()).add(box)
         return self.literal("slice", (x,), (box,), shape, term.dtype)
+
+    def _slice_view_of_cat(self, x: int, box: Box) -> int | None:
+        """view(cat(parts))[box] where the box reads a box of one part: that part's box, viewed; or,
+        row by row along its outermost range, such boxes joined. The ranks' rows of a flat
+        collective buffer, each row the parts' chunks side by side (FSDP2's all-gather output and
+        reduce-scatter input), sliced at one parameter's chunk of one row or of every row."""
+        source = self.u[x].args[0]
+        if self.u[source].op != "cat":
+            return None
+        inner = source_box(self.shape(source), self.shape(x), box)
+        if inner is not None:
+            lo, hi = inner[self.u[source].attrs[0]]
+            if not any(a <= lo and hi <= b for a, b in cat_bounds(self, source)):
+                return None
+            return self.view(self.slice(source, inner), box_shape(box))
+        ranged = next((d for d, (lo, hi) in enumerate(box) if hi - lo > 1), None)
+        if ranged is None or box[ranged][1] - box[ranged][0] > _MAX_ROWS:
+            return None
+        rows = []
+        for i in range(*box[ranged]):
+            row = self._slice_view_of_cat(x, box[:ranged] + ((i, i + 1),) + box[ranged + 1 :])
+            if row is None:
+                return None
+            rows.append(row)
+        return self.cat(rows, ranged)
 
     def _slice_cat(self, x: int, box: Box) -> int:
         term = self.u[x]
