@@ -57,13 +57,13 @@ class RegionRules:
         return self.literal("slice", (x,), (box,), shape, term.dtype)
 
     def _slice_view_of_cat(self, x: int, box: Box) -> int | None:
-        """view(cat(parts))[box] where the box reads a box of one part: that part's box, viewed; or,
-        row by row along its outermost range, such boxes joined. The ranks' rows of a flat
+        """view(cat(parts))[box], where one of the two is flat, and the box reads a box of one part:
+        that part's box, viewed; or, row by row along its outermost range, such boxes joined. The ranks' rows of a flat
         collective buffer, each row the parts' chunks side by side (FSDP2's all-gather output and
         reduce-scatter input), sliced at one parameter's chunk of one row or of every row."""
         source = self.u[x].args[0]
-        if self.u[source].op != "cat":
-            return None
+        if self.u[source].op != "cat" or 1 not in (len(self.shape(source)), len(self.shape(x))):
+            return None  # only flat buffers: a view of them, or they viewed flat
         inner = source_box(self.shape(source), self.shape(x), box)
         if inner is not None:
             lo, hi = inner[self.u[source].attrs[0]]
