@@ -15,8 +15,9 @@ shardproof's verdict from `shardproof.verify` in this process. Every mutant fall
   raises/unusable    the program raises on some rank, shardproof calls it unusable input (right)
   raises/verdict     the program raises on some rank, shardproof gave a verdict anyway
 
-Localisation, among the killed: the first distributed site shardproof reports is on the mutated
-line (or within 3 lines of it).
+Localisation, among the killed: the first distributed site shardproof reports is on the line the
+programmer has to change (or within 3 lines of it): the mutated line, or for a deleted collective
+the op that made the value it should have reduced (fault_lines.py).
 
     python bench/mutate.py --n 300 --seed 1
     python bench/mutate.py tests/cases/missing-allreduce_fixed.py --n 20 --details
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import random
 import signal
@@ -36,7 +38,9 @@ import traceback
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Iterator
 
+from fault_lines import fault_lines
 from gloo_truth import GlooRanks, Truth, forget_case_modules
 from mutants import Mutant, all_mutants
 
@@ -84,7 +88,14 @@ def run(mutants: list[Mutant], world_size: int, timeout: float, progress: bool =
             path.write_text(mutant.source(mutant.path.read_text()))
             start = time.perf_counter()
             truth = ranks.run(path, None)
-            outcome = judge(mutant, truth, *shardproof_verdict(path, world_size, timeout, [str(folder), *folders]))
+            searched = [str(folder), *folders]
+            verdict = shardproof_verdict(path, world_size, timeout, searched)
+            lines = set(range(mutant.line, mutant.end_line + 1))
+            if truth.status == "differs" and verdict[0] == "discrepancy":
+                with _isolated(searched):
+                    lines = fault_lines(mutant.operator, range(mutant.line, mutant.end_line + 1), mutant.path, path,
+                                        world_size)
+            outcome = judge(mutant, truth, *verdict, lines)
             outcome.seconds = time.perf_counter() - start
             outcomes.append(outcome)
             if progress:
@@ -98,11 +109,11 @@ def shardproof_verdict(path: Path, world_size: int, timeout: float, folders: lis
     from shardproof.api import verify
     from shardproof.errors import ShardproofError
 
-    path_before, modules_before = list(sys.path), set(sys.modules)
     signal.signal(signal.SIGALRM, _out_of_time)
     signal.alarm(int(timeout))
     try:
-        report = verify(path, world_size=world_size, backend="none")
+        with _isolated(folders):
+            report = verify(path, world_size=world_size, backend="none")
         site = next((f"{s.file}:{s.line}" for s in report.distributed), "")
         return report.verdict, report.diagnosis or "", site
     except ShardproofError as err:
@@ -112,6 +123,15 @@ def shardproof_verdict(path: Path, world_size: int, timeout: float, folders: lis
         return "crash", f"{type(err).__name__}: {err} ({Path(where.filename).name}:{where.lineno})", ""
     finally:
         signal.alarm(0)
+
+
+@contextlib.contextmanager
+def _isolated(folders: list[str]) -> Iterator[None]:
+    """sys.path and the case modules as they were before: the next mutant imports its own."""
+    path_before, modules_before = list(sys.path), set(sys.modules)
+    try:
+        yield
+    finally:
         forget_case_modules(modules_before, folders)
         sys.path[:] = path_before
 
@@ -124,7 +144,9 @@ def _out_of_time(*_: object) -> None:
     raise _OutOfTime("verification took longer than the time limit")
 
 
-def judge(mutant: Mutant, truth: Truth, verdict: str, detail: str, site: str) -> Outcome:
+def judge(mutant: Mutant, truth: Truth, verdict: str, detail: str, site: str, lines: set[int]) -> Outcome:
+    """The mutant's row; a killed mutant is localised when the first site is one of `lines`
+    (fault_lines: where the programmer has to change the code), near when within NEAR of one."""
     if verdict == "crash":
         row = "crash"
     elif truth.status == "raises":
@@ -137,7 +159,7 @@ def judge(mutant: Mutant, truth: Truth, verdict: str, detail: str, site: str) ->
     if row == "killed" and site:
         file, _, line = site.rpartition(":")
         if Path(file).name == mutant.path.name:
-            distance = max(mutant.line - int(line), int(line) - mutant.end_line, 0)
+            distance = min(abs(int(line) - wanted) for wanted in lines)
             outcome.on_line, outcome.near = distance == 0, distance <= NEAR
     return outcome
 
@@ -191,9 +213,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=300, help="seconds shardproof may take per mutant")
     parser.add_argument("--details", action="store_true", help="list every mutant not killed on its line")
     parser.add_argument("--jsonl", type=Path, help="write one JSON line per mutant here")
+    parser.add_argument("--match", action="append", default=[],
+                        help="of the mutants drawn, run only those whose description contains this (repeatable)")
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
     chosen = choose([p.resolve() for p in args.cases] or default_cases(), args.n, args.seed)
+    if args.match:
+        chosen = [m for m in chosen if any(text in m.describe() for text in args.match)]
     outcomes = run(chosen, args.world_size, args.timeout)
     if args.jsonl:
         args.jsonl.write_text("".join(json.dumps(asdict(o)) + "\n" for o in outcomes))

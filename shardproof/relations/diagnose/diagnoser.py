@@ -159,6 +159,9 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
     def _at_op(self, rank: int, node: Node) -> Finding:
         partial_inputs = self._partial_inputs(rank, node)
         if partial_inputs:
+            wrong_shard = self._wrong_shard_summed(rank, node)
+            if wrong_shard is not None:
+                return wrong_shard
             origin = self._piece_origin(rank, node)
             kind = self.partial_kind(partial_inputs)
             return Finding(

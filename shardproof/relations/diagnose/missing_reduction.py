@@ -10,6 +10,7 @@ from shardproof.ir.graph import Node
 from shardproof.ir.ops import OPS
 from shardproof.relations.diagnose.agreement import LAYOUT_OPS, PIECES
 from shardproof.relations.diagnose.finding import Finding
+from shardproof.relations.diagnose.shards import cutting
 from shardproof.report.terms import line_of, placement, value_name
 
 
@@ -68,6 +69,9 @@ class MissingReductions:
         dropped = self._dropped_share(rank, node)
         if dropped is not None:
             return dropped
+        wrong_shard = self._wrong_shard_summed(rank, node)
+        if wrong_shard is not None:
+            return wrong_shard
         origin = self._piece_origin(rank, node)
         kind = self.partial_kind([self.run.ranks[rank][node.id]])
         return Finding(
@@ -78,6 +82,25 @@ class MissingReductions:
             [(rank, origin)] if origin is not None else [(rank, node)],
             fix=self._reduction_fix(rank, node, kind),
         )
+
+    def _wrong_shard_summed(self, rank: int, node: Node) -> Finding | None:
+        """A share of a sum over ranks made from a shard the loader (or `shard_input`) cut at another
+        chunk than the rank's own: the ranks' shares overlap and leave a gap, so the sum stays
+        partial whatever reduces it. The fault is the cut, not a missing reduction."""
+        origin = self._piece_origin(rank, node) or node
+        for other in sorted(range(len(self.ranks)), key=lambda r: r != rank):  # the wrong cut may be another rank's
+            mine = self.counterpart(other, origin)
+            cut = self._loader_slice(other, mine, unnatural=True) if mine is not None else None
+            if cut is not None:
+                return Finding(
+                    "discrepancy",
+                    "overlapping shards",
+                    f"overlapping shards: {cutting(self.ranks[other], cut, other)}, so the ranks' shares of the sum over "
+                    f"ranks made at {line_of(origin)} overlap and leave a gap: no reduction completes it",
+                    [(other, cut), (rank, origin)],
+                    fix=f"make rank {other} take its own chunk at {line_of(cut)}",
+                )
+        return None
 
     def _added_after_reduction(self, rank: int, node: Node) -> tuple[Node, Node] | None:
         """The first `add` on the way to `node` of a partial sum that went through a collective and

@@ -6,10 +6,10 @@ from the reference's for almost all weights, a structural fault. A part of `Diag
 
 from __future__ import annotations
 
-from shardproof.ir.graph import Graph, Node
+from shardproof.ir.graph import Node
 from shardproof.relations.diagnose.agreement import LAYOUT_OPS
 from shardproof.relations.diagnose.finding import Finding
-from shardproof.relations.diagnose.shards import own_chunk
+from shardproof.relations.diagnose.shards import cutting, own_chunk
 from shardproof.report.terms import line_of
 
 Span = tuple[int, int]
@@ -47,7 +47,7 @@ class OverlappingShards:
             f"{faults[wrong]}"
         )
         if culprit is not None:
-            message += f": {_cutting(self.ranks[rank], culprit, rank)}"
+            message += f": {cutting(self.ranks[rank], culprit, rank)}"
         sites = [(rank, culprit)] if culprit is not None else []
         cut = culprit if culprit is not None else first
         return Finding("discrepancy", "overlapping shards", message, sites + [(rank, first), (rank, collective)],
@@ -159,12 +159,3 @@ def _faults(spans: list[Span], size: int) -> str:
         gaps.append((reached, size))
     said = [what + ", ".join(f"[{lo}:{hi})" for lo, hi in found) for what, found in (("overlap at ", overlaps), ("leave out ", gaps)) if found]
     return " and ".join(said)
-
-
-def _cutting(graph: Graph, slice_node: Node, rank: int) -> str:
-    """What the slice cuts, naming the state tensor when it is the loader's (which names the layer)."""
-    dim, lo, hi = slice_node.attrs
-    source = graph[slice_node.inputs[0]]
-    state = source.op == "leaf" and str(source.attrs[0]).startswith("state:")
-    what = f"its shard of `{str(source.attrs[0]).removeprefix('state:')}`" if state else "it"
-    return f"rank {rank} cuts {what} at [{lo}:{hi}) along dim {dim}, not at its own chunk [{rank * (hi - lo)}:{(rank + 1) * (hi - lo)})"

@@ -4,7 +4,7 @@ slice that cut the wrong one. A part of `Diagnoser`.
 
 from __future__ import annotations
 
-from shardproof.ir.graph import Node
+from shardproof.ir.graph import Graph, Node
 
 
 class RankChunks:
@@ -91,31 +91,73 @@ class RankChunks:
             blocks = {b[dim] for b in self.r.reference_boxes.get(root, ()) if len(b) > dim} or {(0, self.r.shape(root)[dim])}
             inside = [b for b in blocks if b[0] <= box[dim][0] and box[dim][1] <= b[1]]
             if not inside:
-                return self._loader_slice(rank, graph[source])
+                return self._loader_cut(rank, graph[source])
             covered.add((root, inside[0]))
-        return self._loader_slice(rank, graph[source]) if len(covered) < siblings else None
+        return self._loader_cut(rank, graph[source]) if len(covered) < siblings else None
+
+    def _loader_cut(self, rank: int, node: Node) -> Node | None:
+        """The loader's op to blame for `node`: its slice of another chunk than the rank's own,
+        else its first slice or join."""
+        return self._loader_slice(rank, node, unnatural=True) or self._loader_slice(rank, node)
 
     def _loader_slice(self, rank: int, node: Node, unnatural: bool = False) -> Node | None:
         """The first op of the checkpoint loader (state-only slicing or joining) that `node`
-        depends on; with `unnatural`, the first slice that does not take this rank's own chunk."""
+        depends on; with `unnatural`, the first slice, of the state or of an input (`shard_input`
+        cuts those), that does not take this rank's own chunk: one whose part the loader does not cut
+        further if there is one (a split into blocks, [gate; up] say, is rank 1's chunk of nothing,
+        yet only the chunk it then takes of a block can be wrong), else a split into the wrong
+        blocks."""
         graph = self.ranks[rank]
+        loaded = ("state:", "input:") if unnatural else ("state:",)
         state_only: dict[int, bool] = {}
+        cuts = []
         for ancestor in graph.ancestors(node):
             if ancestor.op == "leaf":
-                state_only[ancestor.id] = str(ancestor.attrs[0]).startswith("state:")
+                state_only[ancestor.id] = str(ancestor.attrs[0]).startswith(loaded)
             else:
                 state_only[ancestor.id] = bool(ancestor.inputs) and all(state_only.get(i, False) for i in ancestor.inputs)
             if state_only[ancestor.id] and ancestor.op == "cat" and not unnatural:
                 return ancestor
-            if state_only[ancestor.id] and ancestor.op == "slice" and not (unnatural and own_chunk(ancestor, rank)):
-                return ancestor
-        return None
+            if state_only[ancestor.id] and ancestor.op == "slice":
+                if not unnatural:
+                    return ancestor
+                cuts.append(ancestor)
+        recut = {n.inputs[0] for n in cuts}
+        wrong = [n for n in cuts if not self._natural_cut(rank, n)]
+        return next((n for n in wrong if n.id not in recut), wrong[0] if wrong else None)
+
+    def _natural_cut(self, rank: int, slice_node: Node) -> bool:
+        """The loader's slice takes this rank's own chunk: of its input's dim, or, read as a region
+        of a reference tensor, of the block of it the reference uses on its own (a fused weight's
+        q, k or v) or of the whole. A block smaller than the world is replicated: rank r may take
+        chunk r modulo the chunks, or ranks may share chunks in runs (GQA's kv heads)."""
+        if own_chunk(slice_node, rank):
+            return True
+        root, box = self.r.as_region(self.run.ranks[rank][slice_node.id])
+        if root == self.run.ranks[rank][slice_node.id]:
+            return False
+        blocks = sorted(self.r.reference_boxes.get(root, ()), key=lambda b: [hi - lo for lo, hi in b])
+        shape = self.r.shape(root)
+        for d, part in enumerate(box):
+            inside = [b[d] for b in blocks if len(b) == len(box) and b[d][0] <= part[0] and part[1] <= b[d][1]]
+            whole = inside[0] if inside else (0, shape[d])
+            if part != whole and not _is_chunk_of_rank(rank, len(self.ranks), part, whole):
+                return False
+        return True
 
 
 def own_chunk(slice_node: Node, rank: int) -> bool:
     """The slice takes chunk `rank` of its dim (chunks of its own width)."""
     _, lo, hi = slice_node.attrs
     return lo == rank * (hi - lo)
+
+
+def _is_chunk_of_rank(rank: int, world_size: int, part: tuple[int, int], whole: tuple[int, int]) -> bool:
+    """`part` is rank's chunk of `whole`, the chunks dealt round or, fewer chunks than ranks, in runs."""
+    width = part[1] - part[0]
+    chunks = (whole[1] - whole[0]) // width if width > 0 else 0
+    runs = chunks and world_size % chunks == 0 and part[0] - whole[0] == rank // (world_size // chunks) * width
+    return _is_rank_chunk(rank, part, whole) or bool(runs)
 
 
 def _is_rank_chunk(rank: int, part: tuple[int, int], whole: tuple[int, int]) -> bool:
@@ -125,3 +167,13 @@ def _is_rank_chunk(rank: int, part: tuple[int, int], whole: tuple[int, int]) -> 
     if part == whole or width == 0:  # an empty part (a rank left with no heads) is no rank's chunk
         return part == whole
     return (lo - w_lo) == (rank % ((w_hi - w_lo) // width)) * width
+
+
+def cutting(graph: Graph, slice_node: Node, rank: int) -> str:
+    """What the slice cuts, naming the state tensor or input when it is the loader's (which names
+    the layer)."""
+    dim, lo, hi = slice_node.attrs
+    source = graph[slice_node.inputs[0]]
+    kind, _, name = str(source.attrs[0]).partition(":") if source.op == "leaf" else ("", "", "")
+    what = {"state": f"its shard of `{name}`", "input": f"its shard of `inputs()[{name}]`"}.get(kind, "it")
+    return f"rank {rank} cuts {what} at [{lo}:{hi}) along dim {dim}, not at its own chunk [{rank * (hi - lo)}:{(rank + 1) * (hi - lo)})"

@@ -187,8 +187,8 @@ class LayoutFaults:
         culprit = self._walk_back(rank, self.ranks[rank][d_in], self.reference[r_in])
         if node.op in LAYOUT_OPS and self._blocks_in_own_chunks(rank, terms[d_in]):
             culprit = node  # the right data, read with the wrong layout
-        elif culprit.op == "slice":
-            culprit = self._loader_instead(rank, culprit) or culprit
+        elif culprit.op == "slice":  # a runtime split of a shard the loader may have cut wrong
+            culprit = self._loader_instead(rank, culprit) or self._loader_slice(rank, culprit, unnatural=True) or culprit
         elif culprit.op not in LAYOUT_OPS:
             culprit = self._loader_slice(rank, culprit, unnatural=True) or culprit
         return Finding(
