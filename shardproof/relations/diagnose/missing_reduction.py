@@ -88,19 +88,18 @@ class MissingReductions:
         chunk than the rank's own: the ranks' shares overlap and leave a gap, so the sum stays
         partial whatever reduces it. The fault is the cut, not a missing reduction."""
         origin = self._piece_origin(rank, node) or node
-        for other in sorted(range(len(self.ranks)), key=lambda r: r != rank):  # the wrong cut may be another rank's
-            mine = self.counterpart(other, origin)
-            cut = self._loader_slice(other, mine, unnatural=True) if mine is not None else None
-            if cut is not None:
-                return Finding(
-                    "discrepancy",
-                    "overlapping shards",
-                    f"overlapping shards: {cutting(self.ranks[other], cut, other)}, so the ranks' shares of the sum over "
-                    f"ranks made at {line_of(origin)} overlap and leave a gap: no reduction completes it",
-                    [(other, cut), (rank, origin)],
-                    fix=f"make rank {other} take its own chunk at {line_of(cut)}",
-                )
-        return None
+        wrong = self._wrong_cut(rank, origin, summed=True)
+        if wrong is None:
+            return None
+        other, cut = wrong
+        return Finding(
+            "discrepancy",
+            "overlapping shards",
+            f"overlapping shards: {cutting(self.ranks[other], cut, other)}, so the ranks' shares of the sum over "
+            f"ranks made at {line_of(origin)} overlap and leave a gap: no reduction completes it",
+            [(other, cut), (rank, origin)],
+            fix=f"make rank {other} take its own chunk at {line_of(cut)}",
+        )
 
     def _added_after_reduction(self, rank: int, node: Node) -> tuple[Node, Node] | None:
         """The first `add` on the way to `node` of a partial sum that went through a collective and

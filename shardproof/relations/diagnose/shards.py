@@ -4,7 +4,11 @@ slice that cut the wrong one. A part of `Diagnoser`.
 
 from __future__ import annotations
 
+import collections
+
 from shardproof.ir.graph import Graph, Node
+
+_MOVING = {"slice", "view", "permute", "expand", "convert"}  # ops that keep a region of their input
 
 
 class RankChunks:
@@ -95,48 +99,101 @@ class RankChunks:
             covered.add((root, inside[0]))
         return self._loader_cut(rank, graph[source]) if len(covered) < siblings else None
 
+    def _wrong_cut(self, rank: int, node: Node, summed: bool = False, here: bool = True) -> tuple[int, Node] | None:
+        """(rank, slice): the loader's cut of another chunk than its own that `node` depends on, on
+        this rank (unless not `here`) or, at the same op, on another (collectives carry one rank's
+        wrong shard to all; there only a rank's final chunk counts, not its split into blocks).
+        With `summed`, only a cut of the range over which that rank's value at `node` holds a share
+        of a sum, where that range is not the rank's own chunk of the summed axis."""
+        for other in sorted(range(len(self.ranks)), key=lambda r: r != rank):
+            mine = self.counterpart(other, node) if other != rank or here else None
+            if mine is None:
+                continue
+            ranges = None
+            if summed:
+                pieces = self.unreduced(self.run.ranks[other][mine.id])
+                ranges = {(lo, hi) for op, (_, lo, hi, size) in pieces if op == "piece"
+                          and not _is_chunk_of_rank(other, len(self.ranks), (lo, hi), (0, size))}
+            cut = self._loader_slice(other, mine, unnatural=True, ranges=ranges, blocks=other == rank)
+            if cut is not None:
+                return other, cut
+        return None
+
     def _loader_cut(self, rank: int, node: Node) -> Node | None:
         """The loader's op to blame for `node`: its slice of another chunk than the rank's own,
         else its first slice or join."""
         return self._loader_slice(rank, node, unnatural=True) or self._loader_slice(rank, node)
 
-    def _loader_slice(self, rank: int, node: Node, unnatural: bool = False) -> Node | None:
+    def _loader_slice(self, rank: int, node: Node, unnatural: bool = False, ranges: set | None = None,
+                      blocks: bool = True) -> Node | None:
         """The first op of the checkpoint loader (state-only slicing or joining) that `node`
         depends on; with `unnatural`, the first slice, of the state or of an input (`shard_input`
-        cuts those), that does not take this rank's own chunk: one whose part the loader does not cut
-        further if there is one (a split into blocks, [gate; up] say, is rank 1's chunk of nothing,
-        yet only the chunk it then takes of a block can be wrong), else a split into the wrong
-        blocks."""
+        cuts those), that does not take this rank's own chunk: the first that is the one part used of
+        its tensor and that the loader does not cut further, if there is one (a split into blocks,
+        [gate; up] or micro-batches, is rank 1's chunk of nothing, yet only the chunk a rank then
+        takes can be wrong), else (with `blocks`) a split into the wrong blocks; with `ranges`, only
+        a cut of one of those (lo, hi)."""
         graph = self.ranks[rank]
-        loaded = ("state:", "input:") if unnatural else ("state:",)
         state_only: dict[int, bool] = {}
-        cuts = []
-        for ancestor in graph.ancestors(node):
+        input_region: dict[int, bool] = {}  # an input moved and cut only (shard_input's work)
+        cuts, ancestors = [], graph.ancestors(node)
+        for ancestor in ancestors:
             if ancestor.op == "leaf":
-                state_only[ancestor.id] = str(ancestor.attrs[0]).startswith(loaded)
+                state_only[ancestor.id] = str(ancestor.attrs[0]).startswith("state:")
+                input_region[ancestor.id] = unnatural and str(ancestor.attrs[0]).startswith("input:")
             else:
                 state_only[ancestor.id] = bool(ancestor.inputs) and all(state_only.get(i, False) for i in ancestor.inputs)
+                input_region[ancestor.id] = ancestor.op in _MOVING and input_region.get(ancestor.inputs[0], False)
             if state_only[ancestor.id] and ancestor.op == "cat" and not unnatural:
                 return ancestor
-            if state_only[ancestor.id] and ancestor.op == "slice":
+            if (state_only[ancestor.id] or input_region[ancestor.id]) and ancestor.op == "slice":
                 if not unnatural:
                     return ancestor
                 cuts.append(ancestor)
-        recut = {n.inputs[0] for n in cuts}
-        wrong = [n for n in cuts if not self._natural_cut(rank, n)]
-        return next((n for n in wrong if n.id not in recut), wrong[0] if wrong else None)
+        recut = self._cut_further(ancestors, cuts, {i for i, v in {**state_only, **input_region}.items() if v})
+        split = collections.Counter((n.inputs[0], n.attrs[0]) for n in cuts)  # parts used of one tensor
+        implied = self._implied_by_cuts(rank, [n for n in cuts if n.id not in recut])
+        wrong = [n for n in cuts if (ranges is None or tuple(n.attrs[1:]) in ranges)
+                 and not self._natural_cut(rank, n, implied if n.id not in recut else None)]
+        final = [n for n in wrong if n.id not in recut and split[n.inputs[0], n.attrs[0]] == 1]
+        return final[0] if final else wrong[0] if wrong and blocks else None
 
-    def _natural_cut(self, rank: int, slice_node: Node) -> bool:
+    @staticmethod
+    def _cut_further(ancestors: list[Node], cuts: list[Node], loader: set[int]) -> set[int]:
+        """The loader's ops whose values the loader cuts again, through its own ops (a block split
+        before its chunk is taken; chunks joined into a layout that is then cut)."""
+        consumers: dict[int, list[int]] = collections.defaultdict(list)
+        for n in ancestors:
+            for i in n.inputs:
+                consumers[i].append(n.id)
+        cut_ids, reaches = {n.id for n in cuts}, set()
+        for n in reversed(ancestors):
+            if n.id in loader and any(c in cut_ids or c in reaches for c in consumers[n.id] if c in loader):
+                reaches.add(n.id)
+        return reaches
+
+    def _implied_by_cuts(self, rank: int, cuts: list[Node]) -> dict[int, list]:
+        """Per reference tensor, the blocks the loader's final cuts of it are this rank's chunks of,
+        if they tile it (a fused weight whose q, k and v the reference never splits)."""
+        boxes: dict[int, list] = collections.defaultdict(list)
+        for cut in cuts:
+            root, box = self.r.as_region(self.run.ranks[rank][cut.id])
+            if root != self.run.ranks[rank][cut.id]:
+                boxes[root].append(box)
+        return {root: self._implied_blocks(rank, root, found) for root, found in boxes.items()}
+
+    def _natural_cut(self, rank: int, slice_node: Node, implied: dict[int, list] | None = None) -> bool:
         """The loader's slice takes this rank's own chunk: of its input's dim, or, read as a region
         of a reference tensor, of the block of it the reference uses on its own (a fused weight's
-        q, k or v) or of the whole. A block smaller than the world is replicated: rank r may take
+        q, k or v), or that the loader's cuts imply (`implied`), or of the whole. A block smaller than the world is replicated: rank r may take
         chunk r modulo the chunks, or ranks may share chunks in runs (GQA's kv heads)."""
         if own_chunk(slice_node, rank):
             return True
         root, box = self.r.as_region(self.run.ranks[rank][slice_node.id])
         if root == self.run.ranks[rank][slice_node.id]:
             return False
-        blocks = sorted(self.r.reference_boxes.get(root, ()), key=lambda b: [hi - lo for lo, hi in b])
+        known = self.r.reference_boxes.get(root, ()) or (implied or {}).get(root, ())
+        blocks = sorted(known, key=lambda b: [hi - lo for lo, hi in b])
         shape = self.r.shape(root)
         for d, part in enumerate(box):
             inside = [b[d] for b in blocks if len(b) == len(box) and b[d][0] <= part[0] and part[1] <= b[d][1]]

@@ -185,20 +185,24 @@ class LayoutFaults:
             misweighted.reference.insert(0, match)
             return misweighted
         culprit = self._walk_back(rank, self.ranks[rank][d_in], self.reference[r_in])
-        if node.op in LAYOUT_OPS and self._blocks_in_own_chunks(rank, terms[d_in]):
+        # the loader's cut of another chunk than a rank's own, on this rank or on one whose shard a
+        # collective brought here, comes first: the ops after it may be right for a right shard
+        own_blocks = node.op in LAYOUT_OPS and self._blocks_in_own_chunks(rank, terms[d_in])
+        wrong_cut, owner = self._wrong_cut(rank, culprit, here=not own_blocks), rank
+        if wrong_cut is not None:
+            owner, culprit = wrong_cut
+        elif own_blocks:
             culprit = node  # the right data, read with the wrong layout
-        elif culprit.op == "slice":  # a runtime split of a shard the loader may have cut wrong
-            culprit = self._loader_instead(rank, culprit) or self._loader_slice(rank, culprit, unnatural=True) or culprit
-        elif culprit.op not in LAYOUT_OPS:
-            culprit = self._loader_slice(rank, culprit, unnatural=True) or culprit
+        elif culprit.op == "slice":  # a runtime split of a shard the loader may have split wrong
+            culprit = self._loader_instead(rank, culprit) or culprit
         return Finding(
             "discrepancy",
             "wrong layout",
             f"wrong layout: on rank {rank}, operand {position} of `{node.op}` ({value_name(self.ranks[rank][d_in])}) is "
             f"{describe(self.r.u, terms[d_in], 3)} but the reference uses {describe(self.r.u, ref_terms[r_in], 3)}",
-            [(rank, culprit), (rank, node)],
+            [(owner, culprit), (rank, node)],
             [match, self.reference[r_in]],
-            fix=f"make {value_name(culprit)} at {line_of(culprit)} take rank {rank}'s own part of what the reference uses there",
+            fix=f"make {value_name(culprit)} at {line_of(culprit)} take rank {owner}'s own part of what the reference uses there",
             regions=[region(self.r, f"rank {rank}", terms[d_in]), region(self.r, "reference", ref_terms[r_in])],
         )
 
