@@ -162,14 +162,13 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
             wrong_shard = self._wrong_shard_summed(rank, node)
             if wrong_shard is not None:
                 return wrong_shard
-            origin = self._piece_origin(rank, node)
             kind = self.partial_kind(partial_inputs)
             return Finding(
                 "discrepancy",
                 "missing reduction",
                 f"missing reduction: a {kind} (`{placement(kind)}`: each rank holds only its share) reaches "
                 f"`{node.op}` without an all-reduce",
-                [(rank, origin), (rank, node)] if origin is not None else [(rank, node)],
+                [*self._reduction_sites(rank, node), (rank, node)],
                 op=node.op,
                 fix=self._reduction_fix(rank, node, kind, consumer=node),
             )

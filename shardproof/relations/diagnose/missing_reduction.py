@@ -72,14 +72,13 @@ class MissingReductions:
         wrong_shard = self._wrong_shard_summed(rank, node)
         if wrong_shard is not None:
             return wrong_shard
-        origin = self._piece_origin(rank, node)
         kind = self.partial_kind([self.run.ranks[rank][node.id]])
         return Finding(
             "discrepancy",
             "missing reduction",
             f"missing reduction: the output is still a {kind} (`{placement(kind)}`: each rank holds only its share); "
             "it needs an all-reduce",
-            [(rank, origin)] if origin is not None else [(rank, node)],
+            self._reduction_sites(rank, node),
             fix=self._reduction_fix(rank, node, kind),
         )
 
@@ -160,7 +159,7 @@ class MissingReductions:
     def _reduction_fix(self, rank: int, node: Node, kind: str, consumer: Node | None = None) -> str:
         """"all-reduce `y` over ranks [0, 1] after line 31": the value to reduce where it is made,
         over the ranks holding shares of the same sum (or max), before the op that needs it whole."""
-        origin = self._piece_origin(rank, node) or node
+        origin = self._reduction_point(rank, node) or node
         group = self._reduction_group(rank, origin)
         over = f" over ranks {group}" if len(group) > 1 else ""
         how = " with op=ReduceOp.MAX" if kind == "partial max" else ""
@@ -184,6 +183,30 @@ class MissingReductions:
         if term.op in ("lin", "slice", "bcast", "repeat"):
             return set().union(*(self._summed(a) for a in term.args))
         return set()
+
+    def _reduction_sites(self, rank: int, node: Node) -> list[tuple[int, Node]]:
+        """Where the all-reduce belongs (after the last op that only combines shares) and where the
+        shares are made; `node` if neither shows."""
+        point, origin = self._reduction_point(rank, node), self._piece_origin(rank, node)
+        found = [n for n in (point, origin) if n is not None]
+        return [(rank, n) for n in found if n is found[0] or n.id != found[0].id] or [(rank, node)]
+
+    def _reduction_point(self, rank: int, node: Node) -> Node | None:
+        """The last op on the way from where the shares reaching `node` are made that only adds
+        shares up (gradient accumulation: adding a micro-batch's share to the running one, which may
+        start at zero): the all-reduce goes after it. Another op making shares (the next
+        micro-batch's) is passed over; moving a share is no reason to move the all-reduce."""
+        terms = self.run.ranks[rank]
+        chain = [n for n in self._partial_chain(rank, node) if n.op not in LAYOUT_OPS]
+        point = chain[0] if chain else None
+        for n in chain[1:]:
+            if not any(self.partial(terms[i]) for i in n.inputs):
+                continue
+            if n.op not in ("add", "sum") or not all(self.partial(terms[i]) or self.r.full_value(terms[i]) == 0
+                                                      for i in n.inputs):
+                break
+            point = n
+        return point
 
     def _piece_origin(self, rank: int, node: Node) -> Node | None:
         """The op where the partial sum that reaches `node` unreduced was created (a contraction or
