@@ -104,8 +104,29 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
         """A rank's output of another shape than the reference output it must equal."""
         shape, expected = tuple(node.shape), tuple(wanted.shape)
         message = f"wrong layout: {value_name(node)} on rank {rank} has shape {shape} where the reference's has {expected}"
+        shards = {e // k for e in expected for k in range(1, len(self.ranks) + 1) if e % k == 0}
+        origin = self._shape_origin(rank, node, set(shape) - shards - {1}, set(expected) - set(shape) - {1})
+        if origin is not None:  # not a shard left ungathered: an op made a size the program never needs
+            where = f"`{origin[0].op}` at {line_of(origin[0])}"
+            message += f"; its sizes go wrong at {where} (size {origin[1]})"
+            fix = f"check the dim {where} works along: the sizes of the reference's output are lost there"
+            return Finding("discrepancy", "wrong layout", message, [(rank, origin[0]), (rank, node)], [wanted], fix=fix)
         fix = f"make {value_name(node)} at {line_of(node)} the whole {expected} tensor on every rank (gather its shards)"
         return Finding("discrepancy", "wrong layout", message, [(rank, node)], [wanted], fix=fix)
+
+    def _shape_origin(self, rank: int, node: Node, foreign: set[int], lost: set[int]) -> tuple[Node, int] | None:
+        """The op, on the way back from `node` along a size of its shape the reference's output
+        does not have (`foreign`), that made that size from inputs without it (a cat along the
+        wrong dim) or dropped a size the reference's output keeps (`lost`: a reduction along the
+        wrong dim), with that size."""
+        graph, size = self.ranks[rank], next(iter(sorted(foreign)), None)
+        while size is not None and node.op not in ("leaf", "const"):
+            dropped = [s for s in lost if s not in node.shape and any(s in graph[i].shape for i in node.inputs)]
+            carrying = [graph[i] for i in node.inputs if size in graph[i].shape]
+            if dropped or not carrying:
+                return (node, dropped[0] if dropped else size) if node.loc is not None else None
+            node = carrying[0]
+        return None
 
     def _linear_in_partials(self, rank: int, node: Node) -> bool:
         """Whether `node` maps shares of a sum to shares of its result (moving elements, adding shares,
