@@ -93,9 +93,8 @@ class GlooRanks:
 def _verdict(answers: dict[int, tuple]) -> Truth:
     import torch
 
-    from shardproof.errors import CaseError
     from shardproof.oracle import compare
-    from shardproof.steps import agreed
+    from shardproof.steps import merged
 
     own = {rank: a for rank, a in answers.items() if a[0] == "raised" and not a[3]}
     if own:
@@ -108,10 +107,7 @@ def _verdict(answers: dict[int, tuple]) -> Truth:
     mismatched = [checks for _, _, checks in runs if isinstance(checks, str)]
     if mismatched:
         return Truth("differs", mismatched[0])
-    try:
-        checks = agreed([checks for _, _, checks in runs])
-    except CaseError as mismatch:
-        return Truth("differs", str(mismatch))
+    checks = merged([checks for _, _, checks in runs])
     result = compare(runs[0][0], [outputs for _, outputs, _ in runs], checks)
     return Truth("same" if result.agree else "differs", result.detail)
 

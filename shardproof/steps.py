@@ -84,11 +84,7 @@ class Program:
     def claims(self, reference_outputs: int, runs: list[tuple[int, Trained]]) -> list[Check]:
         """The claims of every rank (given each rank's output count and what it trained), each
         once, with the ranks making it when not all do."""
-        holders: dict[Check, list[int]] = {}
-        for rank, (outputs, trained) in enumerate(runs):
-            for check in self.checks(reference_outputs, outputs, trained):
-                holders.setdefault(check, []).append(rank)
-        return sorted((c if len(r) == len(runs) else replace(c, ranks=tuple(r)) for c, r in holders.items()), key=_claim_order)
+        return merged([self.checks(reference_outputs, outputs, trained) for outputs, trained in runs])
 
     def checks(self, reference_outputs: int, rank_outputs: int, trained: Trained) -> list[Check]:
         if rank_outputs != reference_outputs:
@@ -193,6 +189,16 @@ class TrainingProgram(Program):
         substituted = replaced(ref_state, dict(zip(self.names, values)))
         local = rank_state(self.case, substituted, model, rank, world_size)
         return [local[name] for name in names]
+
+
+def merged(per_rank: list[list[Check]]) -> list[Check]:
+    """Each rank's claims, each claim once, with the ranks making it when not all do."""
+    holders: dict[Check, list[int]] = {}
+    for rank, checks in enumerate(per_rank):
+        for check in checks:
+            holders.setdefault(check, []).append(rank)
+    return sorted((c if len(r) == len(per_rank) else replace(c, ranks=tuple(r)) for c, r in holders.items()),
+                  key=_claim_order)
 
 
 def _claim_order(check: Check) -> int:
