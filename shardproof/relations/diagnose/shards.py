@@ -99,10 +99,12 @@ class RankChunks:
             covered.add((root, inside[0]))
         return self._loader_cut(rank, graph[source]) if len(covered) < siblings else None
 
-    def _wrong_cut(self, rank: int, node: Node, summed: bool = False, here: bool = True) -> tuple[int, Node] | None:
+    def _wrong_cut(self, rank: int, node: Node, summed: bool = False, here: bool = True,
+                   blocks: bool = True) -> tuple[int, Node] | None:
         """(rank, slice): the loader's cut of another chunk than its own that `node` depends on, on
         this rank (unless not `here`) or, at the same op, on another (collectives carry one rank's
-        wrong shard to all; there only a rank's final chunk counts, not its split into blocks).
+        wrong shard to all; there only a rank's final chunk counts, not its split into blocks, and
+        here too without `blocks`).
         With `summed`, only a cut of the range over which that rank's value at `node` holds a share
         of a sum, where that range is not the rank's own chunk of the summed axis."""
         for other in sorted(range(len(self.ranks)), key=lambda r: r != rank):
@@ -114,7 +116,7 @@ class RankChunks:
                 pieces = self.unreduced(self.run.ranks[other][mine.id])
                 ranges = {(lo, hi) for op, (_, lo, hi, size) in pieces if op == "piece"
                           and not _is_chunk_of_rank(other, len(self.ranks), (lo, hi), (0, size))}
-            cut = self._loader_slice(other, mine, unnatural=True, ranges=ranges, blocks=other == rank)
+            cut = self._loader_slice(other, mine, unnatural=True, ranges=ranges, blocks=blocks and other == rank)
             if cut is not None:
                 return other, cut
         return None

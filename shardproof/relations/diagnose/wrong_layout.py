@@ -188,7 +188,7 @@ class LayoutFaults:
         # the loader's cut of another chunk than a rank's own, on this rank or on one whose shard a
         # collective brought here, comes first: the ops after it may be right for a right shard
         own_blocks = node.op in LAYOUT_OPS and self._blocks_in_own_chunks(rank, terms[d_in])
-        wrong_cut, owner = self._wrong_cut(rank, culprit, here=not own_blocks), rank
+        wrong_cut, owner = self._wrong_cut(rank, culprit, here=not own_blocks, blocks=culprit.op not in LAYOUT_OPS), rank
         if wrong_cut is not None:
             owner, culprit = wrong_cut
         elif own_blocks:
