@@ -24,10 +24,6 @@ from bugs import BUGS  # noqa: E402
 
 STAGES = ("before", "spmd", "compiled")
 PROGRAMS = ("tp", "sp", "dp_tp", "jit_tp", "tp_train", "sp_train", "jit_tp_train")
-# proofs the rules cannot finish yet (each is `unknown` or refused, never a wrong verdict)
-GAPS = {
-    ("dp_tp", "compiled"): "a rank's batch of one dropped by a bitcast ((1, 4, 4, 8) -> (4, 4, 8)) flattens the batch into the heads",
-}
 
 
 def generate(out: Path, bug: str = "-", *programs: str) -> Path:
@@ -48,9 +44,7 @@ def reference(dumps: Path, program: str, stage: str) -> Path:
 @pytest.mark.slow
 @pytest.mark.parametrize("program", PROGRAMS)
 @pytest.mark.parametrize("stage", STAGES)
-def test_generated_pair_is_equivalent_without_relations(dumps: Path, program: str, stage: str, tmp_path: Path, request) -> None:
-    if (program, stage) in GAPS:
-        request.applymarker(pytest.mark.xfail(reason=GAPS[program, stage], strict=True))
+def test_generated_pair_is_equivalent_without_relations(dumps: Path, program: str, stage: str, tmp_path: Path) -> None:
     ref, dist = reference(dumps, program, stage), dumps / program / f"{stage}.hlo"
     out = tmp_path / "out.json"
     code = main(["verify-graphs", "--reference", str(ref), "--distributed", str(dist), "--quiet", "--json", str(out)])

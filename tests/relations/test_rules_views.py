@@ -99,6 +99,19 @@ def test_one_head_of_a_fused_projection_flattened_is_a_column_range_of_the_refer
         assert y.term == b.sl(reference, 1, h * d, (h + 1) * d).term
 
 
+def test_a_batch_row_dropped_before_a_head_range_is_held_apart():
+    """A data-parallel rank's batch row with its tensor-parallel heads, the batch of one dropped
+    (XLA's bitcast (1, 2, 4, 8) -> (2, 4, 8)): where the reference never slices the heads alone,
+    the row is held apart and the heads are a range of its view, not of the batch merged with
+    the heads; where it does (fused qkv's v columns), those stay the tensor held apart."""
+    b = Build()
+    x = b.leaf("x", (2, 4, 4, 8))
+    b.r.reference_size = len(b.u)
+    y = b.view(b.box(x, ((0, 1), (0, 2), (0, 4), (0, 8))), (2, 4, 8))
+    b.check(y)
+    assert y.term == b.sl(b.view(b.sl(x, 0, 0, 1), (4, 4, 8)), 0, 0, 2).term
+
+
 def test_one_head_of_a_batch_of_one_follows_the_reference():
     """A rank's one head of a batch of one, flattened for a batched matmul, (1, 1, s, d) ->
     (1, s, d), is that head of the reference's (heads, s, d); the scores back, (1, s, s) ->

@@ -196,9 +196,12 @@ class ViewRules:
             if gi and not gj:
                 rows += sliced
             elif gi:
-                # rows right before a sliced group are its outer factor (one head of fused qkv's v
-                # columns, flattened); before a whole group they are one-wide columns, dropped
-                inner |= set(sliced) if rows and sliced else {*rows, *(d for d in sliced if d != gi[0])}
+                # rows right before a sliced group are its outer factor where the reference slices
+                # that group alone (one head of fused qkv's v columns, flattened); elsewhere, and
+                # before a whole group, they are held apart: one-wide columns dropped, or a batch of
+                # one's row whose heads are a range (XLA drops a data-parallel rank's batch of one)
+                outer_factor = rows and sliced and _box_on(root_shape, region, sliced) in self.reference_boxes.get(root, ())
+                inner |= set(sliced) if outer_factor else {*rows, *(d for d in sliced if d != gi[0])}
                 rows = []
         inner |= set(rows)
         if not inner:
@@ -358,6 +361,11 @@ class ViewRules:
         for d, times in repeats:
             out = self.repeat(out, d, times)
         return out
+
+
+def _box_on(shape: tuple[int, ...], region: Box, dims: list[int]) -> Box:
+    """The box restricting only `dims` as `region` does."""
+    return tuple(region[d] if d in dims else (0, n) for d, n in enumerate(shape))
 
 
 def _paired_ones(pending: list[int], kept: set[int], room: int) -> list[int]:
