@@ -409,8 +409,8 @@ def _inserted_ones(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[int, ...
     return tuple(dims) if all(dst[k] == 1 for k in range(j, len(dst))) else None
 
 
-
 def _without_ones(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The sizes of `shape` but its size-1 dims, which views add and drop freely."""
     return tuple(s for s in shape if s != 1)
 
 
