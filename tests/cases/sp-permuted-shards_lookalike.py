@@ -23,7 +23,7 @@ from torch import nn
 class MlpConfig:
     hidden: int = 8
     ffn: int = 16
-    batch: int = 1
+    batch: int = 2
     seq: int = 8
     lr: float = 0.1
 

@@ -350,3 +350,48 @@ def test_matmul_of_sliced_rows_and_a_slice_of_the_contracted_dim(m, k, n, data):
     b.check(y)
     if (lo, hi) != (0, m):
         assert b.is_slice_of(y, b.op("matmul", a, b.sl(w, 0, 0, k)))
+
+
+def test_a_contraction_over_flattened_rows_is_the_sum_of_the_per_batch_contractions():
+    """A weight gradient of batch-first activations, g.view(n*s, k).T @ x.view(n*s, h), is the sum
+    over the batch of g[i].T @ x[i]; each rank's sequence shard x[:, s0:s1] is then one range of
+    every per-batch contraction, and the ranks' products sum to the reference's."""
+    b = Build()
+    g, x = b.leaf("g", (2, 6, 3)), b.leaf("x", (2, 6, 4))
+
+    def flat_product(gs: V, xs: V) -> V:
+        rows = gs.shape[0] * gs.shape[1]
+        return b.op("matmul", b.permute(b.view(gs, (rows, 3)), (1, 0)), b.view(xs, (rows, 4)))
+
+    full = flat_product(g, x)
+    b.check(full)
+    assert b.op_of(full) == "sum"
+    b.r.reference_size = len(b.u)
+    shares = [flat_product(b.sl(g, 1, lo, hi), b.sl(x, 1, lo, hi)) for lo, hi in ((0, 2), (2, 6))]
+    assert all(b.op_of(s) == "piece" for s in shares)
+    total = b.add(*shares)
+    assert total.term == full.term
+    b.check(total)
+
+
+def test_a_flattened_contraction_sees_through_a_sum_with_a_broadcast_bias():
+    """The bias of the loss gradient is broadcast over the rows: still one reshape of the rows."""
+    b = Build()
+    g, x, bias = b.leaf("g", (2, 3, 5)), b.leaf("x", (2, 3, 4)), b.leaf("bias", (5,))
+    grad = b.add(b.view(g, (6, 5)), b.expand(b.view(bias, (1, 5)), (6, 5)))
+    whole = b.op("matmul", b.permute(grad, (1, 0)), b.view(x, (6, 4)))
+    assert b.op_of(whole) == "sum"  # the per-batch contractions, summed
+    y = b.op("matmul", b.permute(grad, (1, 0)), b.sl(b.view(x, (6, 4)), 1, 1, 3))
+    b.check(y)
+    assert b.is_slice_of(y, whole)  # a column range of it
+
+
+def test_a_free_slice_leaves_a_product_whose_contractions_do_not_line_up():
+    """A rank's vocab columns of a gradient (rows of a's transpose) times a range of the other
+    operand's rows that is no range of the first's contraction: the row slice still moves out."""
+    b = Build()
+    g, h = b.leaf("g", (2, 6, 3)), b.leaf("h", (2, 4, 5))
+    full = b.op("matmul", g, b.sl(h, 1, 0, 3))
+    y = b.op("matmul", b.sl(g, 1, 2, 5), b.sl(h, 1, 0, 3))
+    b.check(y)
+    assert b.is_slice_of(y, full)

@@ -57,8 +57,8 @@ def elementwise(r: Rules, op: str, args: tuple[int, ...], attrs: tuple, shape: t
         inner = r.build(op, tuple(b.args[0] for b in bases), attrs, tuple(shape[d] for d in dims), dtype)
         return r.bcast(inner, shape, dims)
     for a in args:
-        source = _viewed_from(r, a)
-        inner = [_unview(r, b, source) for b in args] if source is not None else [None]
+        source = viewed_from(r, a)
+        inner = [unview(r, b, source) for b in args] if source is not None else [None]
         if None not in inner:
             return r.view(r.build(op, tuple(inner), attrs, source, dtype), shape)
     if op in _COMMUTATIVE:
@@ -81,25 +81,46 @@ def _folded(op: str, values: list, attrs: tuple) -> object | None:
 _COMMUTATIVE = {"mul", "maximum", "minimum", "logical_and", "logical_or", "eq", "ne"}
 
 
-def _viewed_from(r: Rules, t: int) -> tuple[int, ...] | None:
+def viewed_from(r: Rules, t: int) -> tuple[int, ...] | None:
     """The shape `t` was reshaped from, if its normal form is a view (inside lin and piece)."""
     term = r.u[t]
     if term.op == "view":
         return r.shape(term.args[0])
     if term.op in ("lin", "piece"):
-        return _viewed_from(r, term.args[0])
+        return next((found for a in term.args if (found := viewed_from(r, a)) is not None), None)
+    if term.op == "slice" and _last_dim_only(term):
+        found = viewed_from(r, term.args[0])
+        return None if found is None else found[:-1] + term.shape[-1:]
     return None
 
 
-def _unview(r: Rules, t: int, shape: tuple[int, ...]) -> int | None:
+def _last_dim_only(term) -> bool:
+    """A slice that cuts only the last dim (which a reshape of the rows keeps)."""
+    box = term.attrs[0]
+    return all((lo, hi) == (0, n) for (lo, hi), n in zip(box[:-1], term.shape[:-1]))
+
+
+def unview(r: Rules, t: int, shape: tuple[int, ...]) -> int | None:
     """A term X of `shape` with view(X) == t, if the normal form shows one."""
     term = r.u[t]
     if term.op == "view" and r.shape(term.args[0]) == shape:
         return term.args[0]
     if term.op == "full":
         return r.literal("full", (), term.attrs, shape, term.dtype)
+    if term.op == "slice" and _last_dim_only(term):
+        root = term.args[0]
+        inner = unview(r, root, shape[:-1] + r.shape(root)[-1:])
+        return None if inner is None else r.slice(inner, tuple((0, n) for n in shape[:-1]) + term.attrs[0][-1:])
+    if term.op == "matmul" and len(r.shape(term.args[1])) == 2:  # rows reshaped into a product with one matrix
+        rows = unview(r, term.args[0], shape[:-1] + r.shape(term.args[0])[-1:])
+        return None if rows is None else r.build("matmul", (rows, term.args[1]), term.attrs, shape, term.dtype)
+    if term.op == "bcast":  # a base spanning trailing dims the reshape keeps, broadcast over the rest
+        dims, n = term.attrs[0], len(term.attrs[0])
+        if dims == tuple(range(len(term.shape) - n, len(term.shape))) and term.shape[len(term.shape) - n :] == shape[len(shape) - n :]:
+            return r.bcast(term.args[0], shape, tuple(range(len(shape) - n, len(shape))))
+        return None
     if term.op in ("lin", "piece"):
-        inner = [_unview(r, a, shape) for a in term.args]
+        inner = [unview(r, a, shape) for a in term.args]
         if None in inner:
             return None
         if term.op == "lin":

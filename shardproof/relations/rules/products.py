@@ -10,7 +10,7 @@ from fractions import Fraction
 from typing import TYPE_CHECKING
 
 from shardproof.relations.layout import Box, box_along, full_box
-from shardproof.relations.rules.elementwise import elementwise
+from shardproof.relations.rules.elementwise import elementwise, unview, viewed_from
 from shardproof.relations.rules.masks import times_mask
 from shardproof.relations.rules.one_hot import masked_rows_into_one_hot, one_hot_times
 from shardproof.relations.rules.regions import cat_bounds
@@ -142,7 +142,30 @@ def matmul(r: Rules, op: str, args, attrs, shape, dtype) -> int:
     absorbed = masked_rows_into_one_hot(r, a, b, attrs, shape, dtype)
     if absorbed is not None:
         return absorbed
+    per_batch = _flattened_contraction(r, a, b, attrs, shape, dtype)
+    if per_batch is not None:
+        return per_batch
     return _matmul_slices(r, a, b, attrs, shape, dtype)
+
+
+def _flattened_contraction(r: Rules, a: int, b: int, attrs, shape, dtype) -> int | None:
+    """g.view(n*s, k).T @ x.view(n*s, h), rows flattened from the same leading dims and contracted
+    (a weight gradient of batch-first activations), is the sum over the leading dims of the
+    per-row-group products g[i].T @ x[i]. A rank's sequence shard x[:, s0:s1] is then a range of
+    each product's contraction, which no range of the flattened rows is."""
+    if len(shape) != 2:
+        return None
+    source = viewed_from(r, b)
+    if source is None or len(source) < 3 or source[-1] != shape[1]:
+        return None
+    rows = source[:-1]
+    x, g = unview(r, b, source), unview(r, r.permute(a, (1, 0)), rows + (shape[0],))
+    if x is None or g is None:
+        return None
+    lead = tuple(range(len(rows) - 1))
+    g_t = r.permute(g, lead + (len(rows), len(rows) - 1))
+    batched = r.build("matmul", (g_t, x), attrs, rows[:-1] + shape, dtype)
+    return r.build("sum", (batched,), (lead, False), shape, dtype)
 
 
 def _exposed_cat(r: Rules, t: int) -> int | None:
