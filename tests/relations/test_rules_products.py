@@ -395,3 +395,24 @@ def test_a_free_slice_leaves_a_product_whose_contractions_do_not_line_up():
     y = b.op("matmul", b.sl(g, 1, 2, 5), b.sl(h, 1, 0, 3))
     b.check(y)
     assert b.is_slice_of(y, full)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_shards_of_flattened_rows_starting_at_zero_stay_shares(batch):
+    """A rank's first shard of the sequence, x[:, 0:s1], flattened: a slice from 0 that cuts a dim
+    other than the last is no reshape of the rows (its extent equals the slice's own size, not the
+    whole dim's), so the product is a share of the reference's, and the shares sum to it."""
+    b = Build()
+    g, x = b.leaf("g", (batch, 8, 3)), b.leaf("x", (batch, 8, 4))
+
+    def flat_product(gs: V, xs: V) -> V:
+        rows = gs.shape[0] * gs.shape[1]
+        return b.op("matmul", b.permute(b.view(gs, (rows, 3)), (1, 0)), b.view(xs, (rows, 4)))
+
+    full = flat_product(g, x)
+    b.r.reference_size = len(b.u)
+    shares = [flat_product(b.sl(g, 1, lo, hi), b.sl(x, 1, lo, hi)) for lo, hi in ((0, 4), (4, 8))]
+    assert all(b.op_of(s) == "piece" for s in shares)
+    total = b.add(*shares)
+    assert total.term == full.term
+    b.check(total)

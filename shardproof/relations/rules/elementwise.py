@@ -88,16 +88,16 @@ def viewed_from(r: Rules, t: int) -> tuple[int, ...] | None:
         return r.shape(term.args[0])
     if term.op in ("lin", "piece"):
         return next((found for a in term.args if (found := viewed_from(r, a)) is not None), None)
-    if term.op == "slice" and _last_dim_only(term):
+    if term.op == "slice" and _last_dim_only(r, term):
         found = viewed_from(r, term.args[0])
         return None if found is None else found[:-1] + term.shape[-1:]
     return None
 
 
-def _last_dim_only(term) -> bool:
+def _last_dim_only(r: Rules, term) -> bool:
     """A slice that cuts only the last dim (which a reshape of the rows keeps)."""
     box = term.attrs[0]
-    return all((lo, hi) == (0, n) for (lo, hi), n in zip(box[:-1], term.shape[:-1]))
+    return all((lo, hi) == (0, n) for (lo, hi), n in zip(box[:-1], r.shape(term.args[0])[:-1]))
 
 
 def unview(r: Rules, t: int, shape: tuple[int, ...]) -> int | None:
@@ -107,7 +107,7 @@ def unview(r: Rules, t: int, shape: tuple[int, ...]) -> int | None:
         return term.args[0]
     if term.op == "full":
         return r.literal("full", (), term.attrs, shape, term.dtype)
-    if term.op == "slice" and _last_dim_only(term):
+    if term.op == "slice" and _last_dim_only(r, term):
         root = term.args[0]
         inner = unview(r, root, shape[:-1] + r.shape(root)[-1:])
         return None if inner is None else r.slice(inner, tuple((0, n) for n in shape[:-1]) + term.attrs[0][-1:])
