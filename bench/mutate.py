@@ -14,6 +14,7 @@ shardproof's verdict from `shardproof.verify` in this process. Every mutant fall
   crash              shardproof raised an internal error (a traceback; must be 0)
   raises/unusable    the program raises on some rank, shardproof calls it unusable input (right)
   raises/verdict     the program raises on some rank, shardproof gave a verdict anyway
+  no truth           the unmutated case does not run the same under gloo (pipeline p2p, say): not judged
 
 Localisation, among the killed: the first distributed site shardproof reports is on the line the
 programmer has to change (or within 3 lines of it): the mutated line, or for a deleted collective
@@ -46,7 +47,7 @@ from mutants import Mutant, all_mutants
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = ("killed", "unsound", "unknown", "unusable-but-runs", "false", "equivalent-mutant", "unproven", "crash",
-        "raises/unusable", "raises/verdict")
+        "raises/unusable", "raises/verdict", "no truth")
 NEAR = 3  # lines
 
 
@@ -81,7 +82,14 @@ def run(mutants: list[Mutant], world_size: int, timeout: float, progress: bool =
     sys.path[:0] = folders  # a mutant in a scratch folder still imports its siblings
     outcomes = []
     with tempfile.TemporaryDirectory(prefix="mutants-") as scratch, GlooRanks(world_size, folders) as ranks:
+        originals: dict[Path, Truth] = {}
         for index, mutant in enumerate(mutants):
+            if mutant.path not in originals:
+                originals[mutant.path] = ranks.run(mutant.path, None)
+            if originals[mutant.path].status != "same":  # gloo cannot run the case as written: no truth
+                outcomes.append(Outcome(mutant.describe(), mutant.operator, "none", originals[mutant.path].detail,
+                                        "", "", "no truth"))
+                continue
             folder = Path(scratch) / f"m{index}"
             folder.mkdir()
             path = folder / mutant.path.name
