@@ -104,8 +104,8 @@ def _report(proof: Proof, candidate: Candidate, seconds: float) -> Report:
         report.claims = failing_claims(proof.findings)
         report.kind, report.claim, report.fix, report.regions = finding.kind, finding.claim, finding.fix, finding.regions
         report.diagnosis = finding.message + (f"; note: {candidate.caveat}" if candidate.caveat else "")
-        report.distributed = _unique([_site(node, rank) for rank, node in finding.distributed])
-        report.reference = _unique([_site(node, None) for node in finding.reference])
+        report.distributed = _located_first(_unique([_site(node, rank) for rank, node in finding.distributed]))
+        report.reference = _located_first(_unique([_site(node, None) for node in finding.reference]))
         if finding.verdict == "unknown":
             report.unknown = {"op": finding.op or "", "reason": report.diagnosis}
     return report
@@ -115,6 +115,12 @@ def _site(node: Node, rank: int | None) -> Site:
     loc = node.loc
     op = f"{node.op} in the backward" if loc and loc.backward else node.op
     return Site(loc.file if loc else "?", loc.line if loc else 0, loc.code if loc else node.name, op, rank, node.name)
+
+
+def _located_first(sites: list[Site]) -> list[Site]:
+    """The sites in the finding's order, those with no line of the user's (a slice of a layout the
+    tool inferred, not one a loader wrote) after the rest: the first site is a line to open."""
+    return sorted(sites, key=lambda site: site.line == 0)
 
 
 def _unique(sites: list[Site]) -> list[Site]:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from shardproof import verify
@@ -55,3 +56,31 @@ def test_an_output_of_the_wrong_shape_is_found_where_its_sizes_go_wrong(world_si
     assert Path(culprit.file).name == Path(__file__).name and "# BUG" in culprit.code, report.distributed
     fixed = case(-1)
     assert verify(fixed, world_size=world_size).verdict == "equivalent" and run_numeric(fixed, world_size).agree
+
+
+class LocalTopAlong(TopLogits):
+    """Each rank's top values over its vocab slice (along `dim`), gathered along the vocab."""
+
+    def __init__(self, world_size: int, dim: int):
+        super().__init__(VOCAB // world_size)
+        self.dim = dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        local = self.head(x).topk(TOP, dim=self.dim).values  # BUG when dim is 0: the top tokens, not logits
+        candidates = funcol.all_gather_tensor(local.t().contiguous(), 0, dist.group.WORLD).t()
+        return candidates.topk(TOP, dim=-1).values
+
+
+def test_an_op_on_the_wrong_axis_is_named_before_a_layout_the_tool_inferred() -> None:
+    """The weight's shard the tool inferred (no `shard_state`) has no line of the user's: the top k
+    along the wrong dim that reads it comes first."""
+    def case(dim: int) -> Case:
+        return Case(TopLogits, lambda r, n: LocalTopAlong(n, dim), lambda: (torch.randn(TOKENS + 1, HIDDEN),))
+
+    buggy = case(0)
+    report = verify(buggy, world_size=2)
+    assert not run_numeric(buggy, 2).agree
+    assert report.verdict == "discrepancy", report.diagnosis
+    assert "# BUG" in report.distributed[0].code, report.distributed
+    fixed = case(-1)
+    assert verify(fixed, world_size=2).verdict == "equivalent" and run_numeric(fixed, 2).agree
