@@ -70,11 +70,11 @@ class GatheredLogits(nn.Module):
         self.world_size, self.gather = world_size, gather
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        local = self.head(x)
+        local = self.head(x)  # BUG without the all_gather: nothing reads it
         pieces = [torch.empty_like(local) for _ in range(self.world_size)]
         if self.gather:
             dist.all_gather(pieces, local)
-        return torch.cat(pieces, dim=-1)  # BUG without the all_gather
+        return torch.cat(pieces, dim=-1)
 
 
 class Head(nn.Module):
@@ -129,4 +129,5 @@ def test_a_buffer_no_all_gather_filled_is_an_uninitialised_memory_read() -> None
 
     said = _check(case(False), 2, "uninitialised memory read")
     assert "`pieces`" in said and "allocated empty at line" in said and "nothing wrote" in said
+    assert "`local` (line" in said and "never read" in said and "from `local`" in said
     _check(case(True), 2, None)

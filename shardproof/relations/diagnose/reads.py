@@ -5,15 +5,38 @@ fill a `torch.empty` output is missing). A part of `Diagnoser`.
 
 from __future__ import annotations
 
-from shardproof.ir.graph import Node
-from shardproof.relations.diagnose.agreement import PIECES
+import math
+
+from shardproof.ir.graph import Graph, Node
+from shardproof.relations.diagnose.agreement import LAYOUT_OPS, PIECES
 from shardproof.relations.diagnose.finding import Finding
 from shardproof.relations.execute import reduce_op
 from shardproof.report.terms import line_of, placement, value_name
 
 # terms that keep their operands' elements: what they read, the result holds
 _KEEPING = {"lin", "slice", "bcast", "repeat", "cat", "view", "permute", "expand", "convert", *PIECES}
+_NOT_COMPUTING = {"leaf", "const", "call", *LAYOUT_OPS}
 _TORCH_NAMES = {"sum": "SUM", "mean": "AVG", "max": "MAX", "min": "MIN", "prod": "PRODUCT"}
+
+
+def _unused_like(graph: Graph, buffers: list[Node], world_size: int) -> Node | None:
+    """The first value the program computes (in its own code) and never uses, of the dtype of one
+    of the buffers and as many elements as it or as one rank's part of it: the value a deleted
+    collective or copy would have put there. Ops that only move data are passed over: the value is
+    where it was computed."""
+    live, todo = set(graph.outputs), list(graph.outputs)
+    while todo:
+        for i in graph[todo.pop()].inputs:
+            if i not in live:
+                live.add(i)
+                todo.append(i)
+    wanted = {(math.prod(b.shape) // parts, b.dtype) for b in buffers for parts in (1, world_size)}
+    for node in graph.nodes:
+        if node.id in live or node.loc is None or node.op in _NOT_COMPUTING:
+            continue
+        if (math.prod(node.shape), node.dtype) in wanted:
+            return node
+    return None
 
 
 class CollectiveOperands:
@@ -52,16 +75,20 @@ class CollectiveOperands:
                 empty = self._held({terms[i]}, {"empty"}, found_terms=True)
                 if not empty:
                     continue
-                buffer = graph[self.r.u[min(empty)].attrs[1]]
+                buffers = [graph[self.r.u[t].attrs[1]] for t in sorted(empty)]
+                buffer, source = buffers[0], _unused_like(graph, buffers, len(self.ranks))
+                said = "" if source is None else f"; {value_name(source)} ({line_of(source)}), of its size or a " \
+                    "rank's part of it, is computed and never read: probably what should fill it"
                 return Finding(
                     "discrepancy",
                     "uninitialised memory read",
                     f"uninitialised memory read: `{node.op}` on rank {rank} reads elements of {value_name(buffer)}, "
                     f"allocated empty at {line_of(buffer)}, that nothing wrote: the collective or copy that should "
-                    "fill it is missing",
-                    [(rank, node), (rank, buffer)],
+                    f"fill it is missing{said}",
+                    [*([] if source is None else [(rank, source)]), (rank, node), (rank, buffer)],
                     op=node.op,
-                    fix=f"fill {value_name(buffer)} (the all-gather or copy into it) before {line_of(node)}",
+                    fix=f"fill {value_name(buffer)} (the all-gather or copy into it"
+                        f"{'' if source is None else ' from ' + value_name(source)}) before {line_of(node)}",
                 )
         return None
 
