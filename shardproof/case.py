@@ -8,12 +8,13 @@ under `python case.py`, the file's folder is importable while it loads and while
 
 from __future__ import annotations
 
+
 import hashlib
 import importlib.util
 import os
 import sys
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Iterator
@@ -100,11 +101,17 @@ def load_case(path: str | Path) -> Case:
     """Import a case file and check its contract, turning every failure into a CaseError."""
     path = case_file(path)
     module = _import_file(path)
+    built = getattr(module, "CASE", None)
+    if built is not None:  # a case an integration built: `CASE = transformers_case(config)`
+        if not isinstance(built, Case):
+            raise CaseError(f"{path}: CASE must be a Case (as shardproof.integrations' functions return), "
+                            f"got {type(built).__name__}")
+        return replace(built, source=path.resolve(), module=module)  # its folder importable, as for functions
     missing = [name for name in ("reference", "distributed", "inputs") if not callable(getattr(module, name, None))]
     if missing:
         raise CaseError(
             f"{path}: missing required function(s) {', '.join(missing)}; a case file defines "
-            "reference(), distributed(rank, world_size) and inputs()"
+            "reference(), distributed(rank, world_size) and inputs() (or CASE, a Case built by an integration)"
         )
     return Case(
         reference=module.reference,

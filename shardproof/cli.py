@@ -24,6 +24,8 @@ FORMATS = ("text", "github", "sarif")
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.command == "serve":
+        return _serve()
     if args.command == "verify" and (args.case is None) == (args.hf is None):
         parser.error("verify needs a case file or --hf CONFIG (one of them)")
     if args.command == "verify" and args.tp_plan and not args.hf:
@@ -39,7 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     except ShardproofError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
-    return _verify(args)
+    from shardproof import serve
+
+    forwarded = serve.forward(sys.argv[1:] if argv is None else argv, serve.socket_path(_version()))
+    return _verify(args) if forwarded is None else forwarded
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -88,11 +93,26 @@ def _parser() -> argparse.ArgumentParser:
     graphs_cmd.add_argument("--relations", metavar="FILE", help="JSON pinning some input relations by hand (see README)")
     graphs_cmd.add_argument("--output-format", choices=FORMATS, default="text", help="as verify's --format")
 
+    commands.add_parser(
+        "serve", help="keep torch and the frameworks imported: later verify commands (any terminal, same Python) "
+        "start in a fraction of a second; Ctrl-C stops it",
+    )
+
     init_cmd = commands.add_parser("init", help="write a commented case file to start from")
     init_cmd.add_argument("path", nargs="?", default="case.py", help="where to write it (default: case.py)")
     init_cmd.add_argument("--model", metavar="PKG.MODULE:CLASS", help="a torch.nn.Module class to build the case around")
     init_cmd.add_argument("--force", action="store_true", help="overwrite an existing file")
     return parser
+
+
+def _serve() -> int:
+    from shardproof import serve
+
+    try:
+        serve.serve(serve.socket_path(_version()), main, lambda line: print(line, file=sys.stderr, flush=True))
+    except KeyboardInterrupt:
+        pass
+    return 0
 
 
 def _version() -> str:

@@ -12,6 +12,7 @@ import pytest
 from shardproof import verify
 from shardproof.case import load_case
 from shardproof.cli import main
+from shardproof.errors import CaseError
 from shardproof.oracle import run_numeric
 from shardproof.partition.backends import _on_pool, portable
 
@@ -106,3 +107,28 @@ def test_a_pool_worker_imports_the_neighbours_too(tmp_path: Path) -> None:
     case = load_case(_folder(tmp_path))
     graphs = list(_on_pool(portable(case), 2, [1], True, workers=1))
     assert [graph.rank for graph in graphs] == [1]
+
+
+BUILT = '''
+from shardproof.case import Case
+from case import reference, distributed, shard_state, inputs
+
+CASE = Case(reference=reference, distributed=distributed, inputs=inputs, shard_state=shard_state, world_size=4)
+'''
+
+
+def test_a_case_built_elsewhere_is_taken_as_it_is(tmp_path: Path) -> None:
+    """`CASE`, as an integration builds it (`CASE = transformers_case(config)`), stands for the functions."""
+    _folder(tmp_path)
+    (tmp_path / "built.py").write_text(textwrap.dedent(BUILT))
+    sys.modules.pop("case", None)
+    case = load_case(tmp_path / "built.py")
+    assert case.world_size == 4
+    assert verify(case, backend="none").verdict == "equivalent"
+    assert run_numeric(case, 4).agree
+
+
+def test_a_case_that_is_no_case_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "built.py").write_text("CASE = 'llama'\n")
+    with pytest.raises(CaseError, match="CASE must be a Case"):
+        load_case(tmp_path / "built.py")

@@ -22,12 +22,13 @@ import os
 import tempfile
 from collections import defaultdict
 from fractions import Fraction
-from typing import Any
-
-from egglog.bindings import EggSmolError, EGraph
+from typing import TYPE_CHECKING, Any
 
 from shardproof.relations.rules import FLOAT_DTYPES
 from shardproof.relations.universe import Term, Universe
+
+if TYPE_CHECKING:
+    from egglog.bindings import EGraph
 
 ATOMS = {"leaf", "full", "const", "piece", "max_piece", "arg_piece", "top_piece"}
 LINEAR_OPS = {"sum", "slice", "view", "permute", "bcast", "repeat"}
@@ -83,6 +84,10 @@ def prove_equal(universe: Universe, a: int, b: int, max_nodes: int = 5000, itera
     """True only if saturation proves terms `a` and `b` equal; False if unproven or too big."""
     if a == b:
         return True
+    # imported here, not with this module: importing egglog starts a thread pool, which a process
+    # forked afterwards (the warm server's workers, shardproof/serve.py) would wait on forever
+    from egglog.bindings import EggSmolError, EGraph
+
     nodes = _sub_dag(universe, (a, b), max_nodes)
     if nodes is None:
         return False
