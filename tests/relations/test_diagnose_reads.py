@@ -86,6 +86,28 @@ class Head(nn.Module):
         return self.head(x)
 
 
+class BatchMean(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(HIDDEN, HIDDEN, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).mean(0)
+
+
+class DataParallelBatchMean(BatchMean):
+    """Each rank's mean over its shard of the batch, averaged over ranks."""
+
+    def __init__(self, op: dist.ReduceOp):
+        super().__init__()
+        self.op = op
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean = self.proj(x).mean(0)
+        dist.all_reduce(mean, op=self.op)  # BUG when op is SUM: the means of world size shards added up
+        return mean
+
+
 def _inputs() -> tuple:
     return (torch.randn(2, 3, HIDDEN),)
 
@@ -121,6 +143,18 @@ def test_a_sum_of_partial_maxima_is_a_wrong_reduce_op() -> None:
     said = _check(case(dist.ReduceOp.SUM), 2, "wrong reduce op")
     assert "Partial(max)" in said and "only with ReduceOp.MAX" in said
     _check(case(dist.ReduceOp.MAX), 2, None)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_sum_off_by_the_group_size_that_avg_makes_right_is_a_wrong_reduce_op(world_size: int) -> None:
+    """The reduce op is the word to change, not the scale of every rank's share (the mean's division)."""
+    def case(op: dist.ReduceOp) -> Case:
+        return Case(BatchMean, lambda r, n: DataParallelBatchMean(op), lambda: (torch.randn(8, 3, HIDDEN),),
+                    shard_input=lambda i, full, r, n: full.chunk(n, 0)[r], output="replicate")
+
+    said = _check(case(dist.ReduceOp.SUM), world_size, "wrong reduce op")
+    assert f"(x{world_size})" in said and "ReduceOp.SUM" in said and "with ReduceOp.AVG it gives" in said
+    _check(case(dist.ReduceOp.AVG), world_size, None)
 
 
 def test_a_buffer_no_all_gather_filled_is_an_uninitialised_memory_read() -> None:

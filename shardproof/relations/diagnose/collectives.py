@@ -8,6 +8,8 @@ from fractions import Fraction
 
 from shardproof.ir.graph import Node
 from shardproof.relations.diagnose.finding import Finding
+from shardproof.relations.diagnose.reads import REDUCE_OP_NAMES
+from shardproof.relations.execute import reduce_op
 from shardproof.relations.diagnose.shards import own_chunk
 from shardproof.report.terms import describe, line_of, value_name
 
@@ -39,6 +41,9 @@ class CollectiveFaults:
                 message = f"double counting (x{factor}): {counted}: it is added on every rank before the sum over ranks"
                 return Finding("discrepancy", "double counting", message, [(rank, culprit), (rank, node)], scale=factor,
                                fix=f"add `{describe(self.r.u, extra, 2)}` after the `{node.op}` at {line_of(node)}, or on one rank only")
+            other_op = self._other_reduce_op(rank, node, factor, counted)
+            if other_op is not None:
+                return other_op
             scaling = self._scaling_origin(rank, node)
             culprit = scaling[0] if scaling else self._introducing(rank, node, lambda x: extra in self._lin_args(x))
             where = f": each rank's share is scaled by {scaling[1]} here" if scaling else ""
@@ -47,6 +52,26 @@ class CollectiveFaults:
                            fix=f"scale {value_name(culprit)} by {want / have} more at {line_of(culprit)}, so that "
                            f"the term counts {want} times after the `{node.op}`")
         return self._wrong_axis_finding(rank, node) or self._unexplained(rank, node)
+
+    def _other_reduce_op(self, rank: int, node: Node, factor: Fraction, counted: str) -> Finding | None:
+        """A sum over ranks off by exactly its group's size, which the other of SUM and AVG makes
+        right: the reduce op is the word to change, not the scale of every rank's share."""
+        if node.op not in ("all_reduce", "reduce_scatter"):
+            return None
+        size, have = len(node.attrs[-1]), reduce_op(node)
+        needed = {("sum", Fraction(size)): "mean", ("mean", Fraction(1, size)): "sum"}.get((have, factor))
+        if needed is None:
+            return None
+        have, needed = REDUCE_OP_NAMES[have], REDUCE_OP_NAMES[needed]
+        return Finding(
+            "discrepancy",
+            "wrong reduce op",
+            f"wrong reduce op (x{factor}): {counted}: `{node.op}` over ranks {list(node.attrs[-1])} reduces with "
+            f"ReduceOp.{have}; with ReduceOp.{needed} it gives the reference's value",
+            [(rank, node)],
+            scale=factor,
+            fix=f"reduce with ReduceOp.{needed}, not ReduceOp.{have}, at {line_of(node)}",
+        )
 
     def _uneven_pieces(self, rank: int, node: Node, pieces: list[tuple[int, Fraction]]) -> Finding:
         ranges = sorted((self.r.u[p].attrs[1], self.r.u[p].attrs[2], c) for p, c in pieces)

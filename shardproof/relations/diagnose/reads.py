@@ -16,7 +16,7 @@ from shardproof.report.terms import line_of, placement, value_name
 # terms that keep their operands' elements: what they read, the result holds
 _KEEPING = {"lin", "slice", "bcast", "repeat", "cat", "view", "permute", "expand", "convert", *PIECES}
 _NOT_COMPUTING = {"leaf", "const", "call", *LAYOUT_OPS}
-_TORCH_NAMES = {"sum": "SUM", "mean": "AVG", "max": "MAX", "min": "MIN", "prod": "PRODUCT"}
+REDUCE_OP_NAMES = {"sum": "SUM", "mean": "AVG", "max": "MAX", "min": "MIN", "prod": "PRODUCT"}
 
 
 def _unused_like(graph: Graph, buffers: list[Node], world_size: int) -> Node | None:
@@ -48,7 +48,7 @@ class CollectiveOperands:
         if node.op not in ("all_reduce", "reduce_scatter"):
             return None
         held = self._held({self.run.ranks[rank][node.inputs[0]]}, set(PIECES))
-        op = _TORCH_NAMES.get(reduce_op(node), reduce_op(node).upper())
+        op = REDUCE_OP_NAMES.get(reduce_op(node), reduce_op(node).upper())
         if "piece" in held and op not in ("SUM", "AVG"):
             kind, whole, needed = "partial sum", "sum", "SUM"
         elif held == {"max_piece"} and op != "MAX":
