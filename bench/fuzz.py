@@ -140,7 +140,7 @@ class Subject:
     def files(self) -> list[tuple[str, Path]]:
         from shardproof.importers.sources import graph_files
 
-        return [(side, f) for side in ("reference", "distributed") for f in graph_files(getattr(self, side), side)]
+        return [(side, f) for side in ("reference", "distributed") for graphs in graph_files(getattr(self, side), side) for f in graphs]
 
 
 def real_subjects() -> list[Subject]:

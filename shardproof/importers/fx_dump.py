@@ -17,7 +17,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from shardproof.errors import GraphFileError, UnsupportedOp
+from shardproof.errors import CaseError, GraphFileError, UnsupportedOp
+from shardproof.importers.fx_chain import Part, chain, describe
 from shardproof.importers.fx_kernels import DumpLowerer, DumpOp
 from shardproof.importers.graph_inputs import ImportedGraph
 from shardproof.importers.text import read_text
@@ -38,25 +39,32 @@ def load_fx(path: str, rank: int, world_size: int) -> ImportedGraph:
     return DumpLowerer(graph, outputs, path, rank, world_size, groups).run()
 
 
-def load_fx_ranks(paths: list[str]) -> tuple[list[ImportedGraph], dict[str, tuple[int, ...]]]:
-    """The dumps of ranks 0..n-1, and the ranks of each process group they name.
+def load_fx_ranks(paths: list[list[str]]) -> tuple[list[ImportedGraph], dict[str, tuple[int, ...]], list[str]]:
+    """The dumps of ranks 0..n-1 (each rank's graphs in order, chained into one), the ranks of each
+    process group they name, and how the graphs were chained.
 
     A collective completes only when every rank of its group calls it, so a group's ranks are
     the ranks whose dumps name it (names are per process: rank 0's data-parallel group of one
     may be `1` and rank 1's `3`). A size the dump states (all-gather, reduce-scatter) must agree."""
-    parsed = [_parse(path) for path in paths]
+    parsed = []
+    for files in paths:
+        parts = [Part.of(*_parse(path), path) for path in files]
+        parsed.append((chain(parts), parts))
+    if any(c.links != parsed[0][0].links for c, _ in parsed):
+        raise CaseError(f"{paths[0][0]}: the ranks' graphs chain differently ({' vs '.join(str(c.links) for c, _ in parsed)})")
     members: dict[str, list[int]] = {}
-    for rank, (graph, _) in enumerate(parsed):
-        for g in _group_names(graph):
+    for rank, (chained, _) in enumerate(parsed):
+        for g in _group_names(chained.graph):
             members.setdefault(g, []).append(rank)
-    for rank, (graph, _) in enumerate(parsed):
-        for g, size in _stated_group_sizes(graph).items():
+    for rank, (chained, _) in enumerate(parsed):
+        for g, size in _stated_group_sizes(chained.graph).items():
             if size != len(members[g]):
-                raise UnsupportedOp(f"process group `{g}` of {size} ranks named by the dumps of ranks {members[g]} only", paths[rank])
+                raise UnsupportedOp(f"process group `{g}` of {size} ranks named by the dumps of ranks {members[g]} only", paths[rank][0])
     groups = {g: tuple(ranks) for g, ranks in members.items()}
     n = len(paths)
-    graphs = [DumpLowerer(graph, outputs, path, r, n, groups).run() for r, (path, (graph, outputs)) in enumerate(zip(paths, parsed))]
-    return graphs, groups
+    graphs = [DumpLowerer(c.graph, c.names, files[0], r, n, groups).run() for r, (files, (c, _)) in enumerate(zip(paths, parsed))]
+    chained, parts = parsed[0]
+    return graphs, groups, [describe(link, parts) for link in chained.links]
 
 
 def _parse(path: str) -> tuple[fx.Graph, list[str]]:

@@ -79,7 +79,7 @@ class DumpLowerer(Lowerer):
             return super().call(node)
         except (ValueError, IndexError, KeyError, TypeError, ZeroDivisionError, RuntimeError) as err:
             line = node.meta.get("dump_line", 1)
-            raise GraphFileError(self.imported.path, line, f"arguments `{node.target}` can take ({type(err).__name__}: {err})", node.name) from None
+            raise GraphFileError(node.meta.get("dump_path", self.imported.path), line, f"arguments `{node.target}` can take ({type(err).__name__}: {err})", node.name) from None
 
     def emit(self, op: str, inputs: tuple[int, ...], attrs: tuple = (), shape=None, dtype=None) -> int:
         if OPS[op].kind == "collective" and len(attrs[-1]) == 1:

@@ -76,6 +76,7 @@ class ImportedPair:
         inputs = [p.describe(layout, reference) for p, layout in zip(self.pairs, layouts)]
         inputs += [self._describe_split(i, split) for i, split in sorted(splits.items())]
         inputs += [f"process group `{g}`: ranks {list(ranks)}" for g, ranks in sorted(self.distributed.groups.items())]
+        inputs += [f"{side} {link}" for side, program in (("reference", self.reference), ("distributed", self.distributed)) for link in program.links]
         elided = _unrecorded(self.pairs, layouts)
         return Candidate(
             captured,
