@@ -14,6 +14,7 @@ import pytest
 
 from shardproof.cli import main
 from shardproof.errors import CaseError
+from shardproof.importers.numeric import run_graphs
 from shardproof.importers.verify import import_pair, verify_graphs
 from shardproof.prove import unproven_outputs
 from shardproof.relations.diagnose import Diagnoser
@@ -162,3 +163,58 @@ def test_ranks_that_return_other_outputs_than_rank_0_are_refused(tmp_path: Path)
     (ranks / "fw.g0.r1.py").write_text(RANK.format(cols=3, bias=3))
     with pytest.raises(CaseError, match=r"fw.g0.r1.py: returns 1 outputs here but 2 in .*fw.g0.r0.py"):
         import_pair(tmp_path / "ref.py", ranks)
+
+
+def fused_gqa(ranks: int) -> str:
+    """vLLM's Qwen2 attention in small: a fused QKV linear with bias (8 query heads and 2 kv heads
+    of one column each), split in q, k, v, each kv head repeated for its 4 query heads, out = q * k + v,
+    then the row-parallel output projection, all-reduced. On 4 ranks each holds two query heads and
+    one kv head (fewer kv heads than ranks: kv heads replicated over pairs of ranks), so the fused
+    weight's 12 rows are 4 per rank, no plain shard of them ([640] of [2048] for Qwen2 at TP 4)."""
+    heads, kv = (8, 2) if ranks == 1 else (2, 1)
+    width, group = heads + 2 * kv, heads // kv
+    repeat = "\n".join(
+        f'''        {n}3: "f32[3, {kv}, 1]" = torch.ops.aten.view.default({n}, [3, {kv}, 1])
+        {n}e: "f32[3, {kv}, {group}]" = torch.ops.aten.expand.default({n}3, [3, {kv}, {group}])
+        {n}c: "f32[3, {kv}, {group}]" = torch.ops.aten.clone.default({n}e, memory_format=torch.contiguous_format)
+        {n}r: "f32[3, {heads}]" = torch.ops.aten.view.default({n}c, [3, {heads}])'''
+        for n in ("k", "v")
+    )
+    reduce = """
+        all_reduce: "f32[3, 5]" = torch.ops._c10d_functional.all_reduce.default(out, 'sum', '0')
+        out_r: "f32[3, 5]" = torch.ops._c10d_functional.wait_tensor.default(all_reduce)""" if ranks > 1 else """
+        out_r: "f32[3, 5]" = torch.ops.aten.clone.default(out)"""
+    return f'''class G(torch.nn.Module):
+    def forward(self, x: "f32[3, 4]", w: "f32[{width}, 4]", b: "f32[{width}]", wo: "f32[5, {heads}]"):
+        t: "f32[4, {width}]" = torch.ops.aten.t.default(w)
+        qkv: "f32[3, {width}]" = torch.ops.aten.addmm.default(b, x, t)
+        split = torch.ops.aten.split_with_sizes.default(qkv, [{heads}, {kv}, {kv}], -1)
+        q: "f32[3, {heads}]" = split[0]
+        k: "f32[3, {kv}]" = split[1]
+        v: "f32[3, {kv}]" = split[2]
+{repeat}
+        qk: "f32[3, {heads}]" = torch.ops.aten.mul.Tensor(q, kr)
+        mine: "f32[3, {heads}]" = torch.ops.aten.add.Tensor(qk, vr)
+        t_1: "f32[{heads}, 5]" = torch.ops.aten.t.default(wo)
+        out: "f32[3, 5]" = torch.ops.aten.mm.default(mine, t_1){reduce}
+        return (out_r,)
+'''
+
+
+def test_kv_heads_fewer_than_ranks_are_inferred_replicated_blocks_in_fx_dumps(tmp_path: Path) -> None:
+    """The fused weight and bias are cut in blocks q [0:8) in 4 chunks and k, v [8:10), [10:12) in
+    2 each, every kv chunk held by two consecutive ranks; proven with no --relations, and the
+    numbers agree."""
+    (tmp_path / "ref.py").write_text(fused_gqa(1))
+    ranks = tmp_path / "tp4"
+    ranks.mkdir()
+    for rank in range(4):
+        (ranks / f"fw.g0.r{rank}.py").write_text(fused_gqa(4))
+    pair = import_pair(tmp_path / "ref.py", ranks)
+    fused = [p for p in pair.pairs if p.dist.name in ("w", "b")]
+    assert [(c.dim, c.blocks, c.parts) for p in fused for c in p.candidates] == [(0, (0, 8, 10, 12), (4, 2, 2))] * 2
+    captured = pair.captured([p.candidates[0] for p in pair.pairs])
+    assert run_graphs(captured.reference, captured.ranks, captured.checks).agree
+    report = verify_graphs(tmp_path / "ref.py", ranks)
+    assert report.verdict == "equivalent", report.diagnosis
+    assert "w = w as Shard(0) in blocks [0, 8, 10, 12] (each block split over ranks), cut in [4, 2, 2] chunks" in report.inputs[1]
