@@ -105,7 +105,7 @@ def resolve_collective(
             continue
         mismatched = [(r, n) for r, n in members if n.op != node.op or n.shape != node.shape]
         if mismatched:
-            raise _mismatch(first, node, mismatched)
+            raise _mismatch(first, node, mismatched, _sizes_part(ranks, (first, node), mismatched))
         _exchange(rules, ranks, terms, cursors, group)
         return
     stuck = mailbox.waiting_recv(ranks, cursors, pending)
@@ -124,7 +124,24 @@ def _waiting_at(ranks: list[Graph], cursors: list[int], rank: int) -> Node | Non
     return ranks[rank].nodes[cursors[rank]]
 
 
-def _mismatch(first: int, node: Node, others: list[tuple[int, Node | None]]) -> CollectiveMismatch:
+def _sizes_part(ranks: list[Graph], mine: tuple[int, Node], others: list[tuple[int, Node]]) -> list[tuple[int, Node]]:
+    """Where the ranks' tensors for one collective first take other shapes: from the collective,
+    back through ops alike on both ranks, along an operand whose shapes differ, to the op whose
+    operands agree but whose results do not (a loader's slice of another length, say), or to ops
+    that differ (a slice of the whole on one rank is no op at all): the first of the two with a line."""
+    (r1, a), (r2, b) = mine, next(((r, n) for r, n in others if n.op == mine[1].op and n.shape != mine[1].shape), mine)
+    while a.op == b.op and len(a.inputs) == len(b.inputs):
+        parting = [(ranks[r1][i], ranks[r2][j]) for i, j in zip(a.inputs, b.inputs) if ranks[r1][i].shape != ranks[r2][j].shape]
+        if not parting:
+            break
+        a, b = parting[0]
+    if a is mine[1]:
+        return []
+    return [pair for pair in ((r2, b), (r1, a)) if pair[1].loc is not None][:1]
+
+
+def _mismatch(first: int, node: Node, others: list[tuple[int, Node | None]],
+              parted: list[tuple[int, Node]] | None = None) -> CollectiveMismatch:
     def doing(n: Node | None) -> str:
         if n is None:
             return "has finished"
@@ -136,10 +153,15 @@ def _mismatch(first: int, node: Node, others: list[tuple[int, Node | None]]) -> 
         return f" for a tensor of shape {tuple(n.shape)}" if any(o and o.op == n.op and o.shape != n.shape
                                                                    for _, o in [(first, node), *others]) else ""
 
+    where = ""
+    if parted:
+        (r, b), = parted
+        where = f"; the shapes part at `{b.op}` at line {b.loc.line} of {b.loc.file.rsplit('/', 1)[-1]}, " \
+                f"of shape {tuple(b.shape)} on rank {r}"
     return CollectiveMismatch(
         f"rank {first} calls {node.op} over ranks {list(_group_of(node))}{shaped(node)} but "
-        + ", ".join(f"rank {r} {doing(n)}" for r, n in others),
-        [(first, node)] + [(r, n) for r, n in others if n is not None],
+        + ", ".join(f"rank {r} {doing(n)}" for r, n in others) + where,
+        (parted or []) + [(first, node)] + [(r, n) for r, n in others if n is not None],
     )
 
 

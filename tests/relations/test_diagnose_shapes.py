@@ -84,3 +84,53 @@ def test_an_op_on_the_wrong_axis_is_named_before_a_layout_the_tool_inferred() ->
     assert "# BUG" in report.distributed[0].code, report.distributed
     fixed = case(-1)
     assert verify(fixed, world_size=2).verdict == "equivalent" and run_numeric(fixed, 2).agree
+
+
+class Logits(nn.Module):
+    def __init__(self, vocab: int = VOCAB):
+        super().__init__()
+        self.head = nn.Linear(HIDDEN, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x)
+
+
+class GatheredLogits(Logits):
+    """A column-parallel head whose logits are all-gathered along the vocabulary."""
+
+    def __init__(self, world_size: int):
+        super().__init__(VOCAB // world_size)
+        self.world_size = world_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        local = self.head(x)
+        pieces = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(pieces, local)
+        return torch.cat(pieces, dim=-1)
+
+
+def _head_rows(start_at_zero: bool):
+    def shard_state(ref: dict, rank: int, world_size: int) -> dict:
+        rows = VOCAB // world_size
+        start = 0 if start_at_zero else rank * rows
+        return {"head.weight": ref["head.weight"][start : (rank + 1) * rows]}  # BUG when the start is 0
+
+    return shard_state
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_tensors_of_other_shapes_for_one_collective_are_found_where_their_shapes_part(world_size: int) -> None:
+    """Rank 1's loader cuts twice the rows of rank 0's: the all-gather gets tensors of other shapes,
+    found at the loader's cut."""
+    def case(start_at_zero: bool) -> Case:
+        return Case(Logits, lambda r, n: GatheredLogits(n), lambda: (torch.randn(TOKENS, HIDDEN),),
+                    shard_state=_head_rows(start_at_zero), output="replicate")
+
+    buggy = case(True)
+    report = verify(buggy, world_size=world_size)
+    assert report.verdict == "discrepancy" and report.kind == "mismatched collectives", report.diagnosis
+    assert "the shapes part at `slice`" in report.diagnosis and "# BUG" in report.distributed[0].code, report.distributed
+    with pytest.raises(RuntimeError, match="must match the size"):  # the real run fails at the all-gather
+        run_numeric(buggy, world_size)
+    fixed = case(False)
+    assert verify(fixed, world_size=world_size).verdict == "equivalent" and run_numeric(fixed, world_size).agree
