@@ -1,5 +1,6 @@
 """Check an IR node against its operands: the shape its op computes from theirs, by the op's own
-implementation run on meta tensors (torch's meta kernels; no second shape table).
+implementation run on meta tensors (torch's meta kernels; no second shape table), but for
+elementwise ops and `cat`, whose shapes are a broadcast and a sum (see _ELEMENTWISE for why).
 
 Importers write nodes with the shapes a dump declares; a node whose op refuses its operands, or
 computes another shape than the one declared, means the dump contradicts itself, and it must be
@@ -23,6 +24,13 @@ _ARITY = {
 }  # fmt: skip
 
 
+# elementwise kinds, ours and open aten ops torch tags pointwise: their shape is their operands'
+# broadcast; `cat`'s is theirs joined along its dim. Computed so rather than by their meta kernels,
+# which are Python references whose first call imports torch._dynamo (seconds of import time for
+# programs that need no other meta kernel)
+_ELEMENTWISE = ("unary", "binary", "compare", "where", "pointwise")
+
+
 class Inconsistent(Exception):
     """A node its operands do not fit; the message says what was expected."""
 
@@ -38,7 +46,14 @@ def check_node(graph: Graph, node: Node) -> None:
     arity = 1 if kind == "layout" and node.op != "cat" else _ARITY.get(kind)
     if arity is not None and len(operands) != arity:
         raise Inconsistent(f"{arity} operand{'s' if arity > 1 else ''} for `{_name(node)}`, not {len(operands)}")
-    computed = _collective_shape(node, operands[0].shape) if kind == "collective" else _meta_shape(node, operands)
+    if kind == "collective":
+        computed = _collective_shape(node, operands[0].shape)
+    elif kind in _ELEMENTWISE:
+        computed = _broadcast_shape(node, operands)
+    elif node.op == "cat":
+        computed = _cat_shape(node, operands)
+    else:
+        computed = _meta_shape(node, operands)
     if computed != node.shape:
         raise Inconsistent(f"shape {list(computed)}, as `{_name(node)}` computes from {_shapes(operands)}, not {list(node.shape)}")
 
@@ -51,6 +66,25 @@ def _meta_shape(node: Node, operands: list[Node]) -> tuple[int, ...]:
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise Inconsistent(f"operands that `{_name(node)}` accepts, but {_shapes(operands)} do not fit ({reason})") from None
     return tuple(out.shape)
+
+
+def _broadcast_shape(node: Node, operands: list[Node]) -> tuple[int, ...]:
+    try:
+        return tuple(torch.broadcast_shapes(*(o.shape for o in operands)))
+    except RuntimeError as err:
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise Inconsistent(f"operands that `{_name(node)}` accepts, but {_shapes(operands)} do not broadcast ({reason})") from None
+
+
+def _cat_shape(node: Node, operands: list[Node]) -> tuple[int, ...]:
+    dim, first = node.attrs[0], operands[0].shape
+    if not 0 <= dim < len(first) or any(len(o.shape) != len(first) or _without(o.shape, dim) != _without(first, dim) for o in operands):
+        raise Inconsistent(f"operands that `{_name(node)}` accepts, but {_shapes(operands)} differ in other dims than {dim}")
+    return (*first[:dim], sum(o.shape[dim] for o in operands), *first[dim + 1 :])
+
+
+def _without(shape: tuple[int, ...], dim: int) -> tuple[int, ...]:
+    return shape[:dim] + shape[dim + 1 :]
 
 
 def _collective_shape(node: Node, shape: tuple[int, ...]) -> tuple[int, ...]:
