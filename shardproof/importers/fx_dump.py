@@ -4,7 +4,9 @@ The dump is Python source: `name: "f32[8, 16]" = torch.ops.aten.mm.default(a, b)
 `# File: path:line in fn, code: text` comments giving the source line of the nodes below them.
 It is parsed with `ast` (never executed) back into a torch.fx graph whose nodes carry meta
 tensors of the annotated shapes, so the aten lowering table of `ir/from_fx.py` applies unchanged;
-fused kernels that only dumps contain (apex, vLLM, ...) are lowered by `fx_kernels.py`.
+fused kernels that only dumps contain (apex, vLLM, ...) are lowered by `fx_kernels.py`. Values of
+data-dependent size (`i64[u0, 1]` from `nonzero`) get their dense form from `fx_unbacked.py`; the
+graphs torch.compile broke a program into are chained by `fx_chain.py`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch.fx as fx
 from shardproof.errors import CaseError, GraphFileError, UnsupportedOp
 from shardproof.importers.fx_chain import Part, chain, describe
 from shardproof.importers.fx_kernels import DumpLowerer, DumpOp
+from shardproof.importers.fx_unbacked import densify
 from shardproof.importers.graph_inputs import ImportedGraph
 from shardproof.importers.text import read_text
 from shardproof.ir.graph import Location
@@ -29,7 +32,12 @@ DTYPES = {
     "i8": torch.int8, "u8": torch.uint8, "i16": torch.int16, "i32": torch.int32, "i64": torch.int64,
 }  # fmt: skip
 _FILE = re.compile(r"#\s*File: (?P<file>.+?):(?P<line>\d+) in (?P<fn>[^,]+), code: (?P<code>.*)$")
-_ANNOTATION = re.compile(r"^(?P<dtype>[a-z]+\d*)\[(?P<dims>[\d, ]*)\]$")
+_ANNOTATION = re.compile(r"^(?P<dtype>[a-z]+\d*)\[(?P<dims>[\w, ]*)\]$")
+_SIZE = re.compile(r"^Sym\(.*\)$")  # a size (`Sym(u0)`) or a fact about sizes (`Sym(u0 >= 0)`)
+_UNBACKED = re.compile(r"^u\d+$")  # a size that depends on tensor values, as torch.compile names it
+_OPERATORS = {
+    ast.GtE: operator.ge, ast.LtE: operator.le, ast.Gt: operator.gt, ast.Lt: operator.lt, ast.Eq: operator.eq,
+}  # fmt: skip
 
 
 def load_fx(path: str, rank: int, world_size: int) -> ImportedGraph:
@@ -144,6 +152,7 @@ class _Parser:
             self.statement(statement)
         if not any(n.op == "output" for n in self.graph.nodes):
             raise GraphFileError(self.path, self.source.count("\n") + 1, "`return [outputs]` ending forward", "end of file")
+        densify(self.graph, lambda node, expected: self.mismatch(node, expected))
         self.check_values()
         return self.graph, self.output_names
 
@@ -203,12 +212,28 @@ class _Parser:
         node.meta.update(val=val, dump_name=name)
         self.env[name] = node
 
+    def annotated(self, annotation: ast.AST, where: ast.AST) -> tuple[torch.Tensor | None, dict[str, Any]]:
+        """A statement's value as a meta tensor, and what to mark its node with: a size
+        (`Sym(u0)`, `Sym(u0 >= 0)`) or a tensor of a data-dependent size (`i64[u0, 1]`) has no
+        meta tensor, and is marked for `fx_unbacked.py`."""
+        text = annotation.value.strip() if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str) else ""
+        if _SIZE.match(text):
+            return None, {"symbolic": text, "size_symbol": True}
+        match = _ANNOTATION.match(text)
+        sizes = [d.strip() for d in match["dims"].split(",") if d.strip()] if match else []
+        if any(_UNBACKED.match(d) for d in sizes) and all(d.isdigit() or _UNBACKED.match(d) for d in sizes):
+            return None, {"symbolic": text}
+        return self.meta(annotation, where), {}
+
     def meta(self, annotation: ast.AST, where: ast.AST) -> torch.Tensor:
         text = annotation.value if isinstance(annotation, ast.Constant) else None
         match = _ANNOTATION.match(text.strip()) if isinstance(text, str) else None
         if match is None or match["dtype"] not in DTYPES:
             raise self.fail(where, 'a tensor annotation like "f32[8, 16]"')
-        dims = tuple(int(d) for d in match["dims"].split(",") if d.strip())
+        sizes = [d.strip() for d in match["dims"].split(",") if d.strip()]
+        if not all(d.isdigit() for d in sizes):  # `s0`: a graph compiled for dynamic shapes
+            raise self.fail(where, "fixed sizes (compile with dynamic=False), or sizes that depend on tensor values (`u0`)")
+        dims = tuple(int(d) for d in sizes)
         try:
             return torch.empty(dims, dtype=DTYPES[match["dtype"]], device="meta")
         except RuntimeError:  # more elements than an address can count
@@ -218,12 +243,12 @@ class _Parser:
         if isinstance(st, ast.AnnAssign) and st.value is None and isinstance(st.target, ast.Name):
             self.declared[st.target.id] = self.meta(st.annotation, st)
         elif isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name):
-            self.assign(st.target.id, st.value, self.meta(st.annotation, st), st)
+            self.assign(st.target.id, st.value, *self.annotated(st.annotation, st), st)
         elif isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Tuple):
             self.flattened_inputs(st)
         elif isinstance(st, ast.Assign) and all(isinstance(t, ast.Name) for t in st.targets):
             if not (isinstance(st.value, ast.Constant) and st.value.value is None):  # `a = b = None`: frees
-                self.assign(st.targets[0].id, st.value, None, st)
+                self.assign(st.targets[0].id, st.value, None, {}, st)
         elif isinstance(st, ast.Return):
             self.output(st)
         elif not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant)):
@@ -236,7 +261,7 @@ class _Parser:
                 raise self.fail(st, "names declared with a type annotation before they are unpacked")
             self.placeholder(element.id, self.declared[element.id])
 
-    def assign(self, name: str, value: ast.expr, val: torch.Tensor | None, st: ast.stmt) -> None:
+    def assign(self, name: str, value: ast.expr, val: torch.Tensor | None, marks: dict[str, Any], st: ast.stmt) -> None:
         if name in self.env:  # a graph names each value once
             raise self.fail(st, f"a new name (`{name}` is assigned above)")
         if isinstance(value, ast.Subscript):
@@ -249,6 +274,9 @@ class _Parser:
             args = tuple(self.expr(a) for a in value.args)
             kwargs = {k.arg: self.expr(k.value) for k in value.keywords}
             node = self.graph.create_node("call_function", target, args, kwargs, name=name)
+        elif isinstance(value, ast.Compare) and len(value.ops) == 1 and type(value.ops[0]) in _OPERATORS:
+            args = (self.expr(value.left), self.expr(value.comparators[0]))
+            node = self.graph.create_node("call_function", _OPERATORS[type(value.ops[0])], args, {}, name=name)
         elif isinstance(value, ast.Name) and value.id in self.env:
             self.env[name] = self.env[value.id]
             return
@@ -257,6 +285,7 @@ class _Parser:
         node.meta.update(dump_name=name, location=self.locations.get(st.lineno), dump_line=st.lineno)
         if val is not None:
             node.meta["val"] = val
+        node.meta.update(marks)
         self.env[name] = node
 
     def target(self, func: ast.expr, st: ast.stmt) -> Any:
@@ -306,6 +335,7 @@ class _Parser:
         kept = [i for i, e in enumerate(value.elts) if not (isinstance(e, ast.Constant) and e.value is None)]
         self.output_names = [e.id if isinstance(e, ast.Name) else "" for e in (value.elts[i] for i in kept)]
         node = self.graph.output([self.expr(value.elts[i]) for i in kept])
+        node.meta["dump_line"] = st.lineno
         gradient_of = self.gradients(len(value.elts))
         node.meta["gradient_of"] = {k: gradient_of[i] for k, i in enumerate(kept) if i in gradient_of}
 

@@ -1,5 +1,5 @@
 """verify-graphs on programs torch.compile broke into several graphs: the graphs of each rank
-chained in order, forward and joint forward+backward, generated at test time (`fx/breaks.py`),
+chained in order, forward and joint forward+backward, generated at test time (`fx/compiled.py`),
 each verdict checked against the numbers; and the links the dumps cannot decide, refused."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from shardproof.importers.fx_dump import load_fx_ranks
 from shardproof.importers.numeric import run_graphs
 from shardproof.importers.verify import import_pair, verify_graphs
 
-BREAKS = Path(__file__).parent / "fx" / "breaks.py"
+COMPILED = Path(__file__).parent / "fx" / "compiled.py"
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,7 @@ def dumps(tmp_path_factory) -> Path:
     """Forward and training dumps, correct and with the row-parallel all-reduce left out."""
     out = tmp_path_factory.mktemp("fx_breaks")
     for mode, bug in (("forward", ""), ("train", ""), ("train", "missing_all_reduce")):
-        subprocess.run([sys.executable, str(BREAKS), str(out / f"{mode}{bug}"), mode, bug], check=True, capture_output=True)
+        subprocess.run([sys.executable, str(COMPILED), str(out / f"{mode}{bug}"), "mlp", mode, bug], check=True, capture_output=True)
     return out
 
 
@@ -35,7 +35,7 @@ def _agree(ref: Path, dist: Path) -> bool:
 
 @pytest.mark.parametrize("mode, graphs", [("forward", 2), ("train", 3)])
 def test_a_program_broken_into_graphs_is_verified_whole(dumps: Path, mode: str, graphs: int) -> None:
-    ref, dist = dumps / mode / "reference", dumps / mode / "tp"
+    ref, dist = dumps / mode / "reference", dumps / mode / "dist"
     assert len(list(dist.glob("*.r0.py"))) == graphs
     report = verify_graphs(ref, dist)
     assert report.verdict == "equivalent" and report.world_size == 2
@@ -48,11 +48,11 @@ def test_a_program_broken_into_graphs_is_verified_whole(dumps: Path, mode: str, 
 
 
 def test_a_missing_all_reduce_before_a_graph_break_is_found_at_its_line(dumps: Path) -> None:
-    ref, dist = dumps / "trainmissing_all_reduce" / "reference", dumps / "trainmissing_all_reduce" / "tp"
+    ref, dist = dumps / "trainmissing_all_reduce" / "reference", dumps / "trainmissing_all_reduce" / "dist"
     report = verify_graphs(ref, dist)
     assert report.verdict == "discrepancy" and "missing reduction" in report.diagnosis
     culprit = report.distributed[0]
-    assert (Path(culprit.file).name, culprit.code) == ("breaks.py", "y = h @ w2")
+    assert (Path(culprit.file).name, culprit.code) == ("compiled.py", "y = h @ w2")
     assert not _agree(ref, dist)
 
 
