@@ -6,14 +6,15 @@ torch.compile names a size that depends on tensor values with an unbacked symbol
 proof works on fixed shapes, so such a region is rewritten into its dense form: a tensor T of the
 u0 rows that `nonzero(mask)` picks (mask of N elements) is D[mask] for a tensor D of N rows, and
 - `select(nonzero(mask), 1, 0)` are the ids of the picked rows;
-- `x[ids]` (aten.index) is x's rows picked: D = x;
-- a row-wise op (torch's pointwise ops, `mm`/`addmm` with T as the rows, dtype casts) on picked
-  rows is the op on D, picked;
-- `index_add(base, 0, ids, T)` is base + where(mask, D, 0); `sum(T, [0])` is sum(where(mask, D, 0), [0]).
+- `x[ids]` and `index_select(x, 0, ids)` are x's rows picked: D = x;
+- a row-wise op (torch's pointwise ops, `mm`/`addmm` with T as the rows, casts, `detach`, an
+  `expand` to its own size) on picked rows is the op on D, picked;
+- `index_add(base, 0, ids, T)` is base + where(mask, D, 0); `sum(T, [0])` is sum(where(mask, D, 0), [0]);
+  `mm(T.t(), U)` (a weight's gradient) is mm(where(mask, D, 0).t(), where(mask, E, 0)).
 Each step is exact, and the rows masked out reach a result only through `where`, which drops them,
 so a proof of the dense form is a proof of the program. Size symbols feed only runtime assertions
-(`_assert_scalar`), which cannot change a value and are dropped. Any other use of a data-dependent
-size is refused at its line, saying what to do.
+(`_assert_scalar`), which cannot change a value and are dropped, and such expands. Any other use of
+a data-dependent size is refused at its line, saying what to do.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class Picked:
 
     mask: fx.Node
     dense: fx.Node | None = None  # None: the row ids
+    transposed: bool = False  # the picked rows of a matrix, transposed: columns picked
 
 
 def densify(graph: fx.Graph, refuse: Callable[[fx.Node, str], Exception]) -> None:
@@ -98,14 +100,26 @@ def _dense(node: fx.Node, picked: dict[fx.Node, Picked], refuse) -> Picked | fx.
         return isinstance(value, fx.Node) and value in picked and picked[value].dense is None
 
     def rows(value: Any) -> bool:
-        return isinstance(value, fx.Node) and value in picked and picked[value].dense is not None
+        return isinstance(value, fx.Node) and value in picked and picked[value].dense is not None and not picked[value].transposed
 
     if target is aten.select.int and args[0] in picked and tuple(args[1:]) == (1, 0):
         return Picked(mask)
-    if target is aten.index.Tensor and len(args[1]) == 1 and ids(args[1][0]) and args[0] not in picked:
-        if _shape(args[0])[:1] != _shape(mask):
+    source, index = args[0], None
+    if target is aten.index.Tensor and len(args[1]) == 1:
+        index = args[1][0]
+    elif target is aten.index_select.default and args[1] == 0:
+        index = args[2]
+    if ids(index) and source not in picked:
+        if _shape(source)[:1] != _shape(mask):
             raise refuse(node, f"rows of a tensor of as many rows as the mask has elements; {WHAT_TO_DO}")
-        return Picked(mask, args[0])
+        return Picked(mask, source)
+    if target is aten.expand.default and rows(args[0]) and _is_size(args[1][0]) and tuple(args[1][1:]) == _shape(picked[args[0]].dense)[1:]:
+        return picked[args[0]]  # expanded to its own size
+    if target is aten.t.default and rows(args[0]) and len(_shape(picked[args[0]].dense)) == 2:
+        return Picked(mask, picked[args[0]].dense, transposed=True)
+    if target is aten.mm.default and args[0] in picked and picked[args[0]].transposed and rows(args[1]):  # a sum over the picked rows
+        columns = _new(node, aten.t.default, (_masked(node, mask, picked[args[0]].dense),))
+        return _new(node, target, (columns, _masked(node, mask, picked[args[1]].dense)), refuse)
     if target is aten.index_add.default and len(args) == 4 and not node.kwargs and args[1] == 0 and ids(args[2]) and rows(args[3]):
         if args[0] in picked or _shape(args[0]) != _shape(picked[args[3]].dense):
             raise refuse(node, f"rows added back into a tensor of as many rows as the mask has elements; {WHAT_TO_DO}")
@@ -128,7 +142,7 @@ def _row_wise(node: fx.Node, picked: dict[fx.Node, Picked], rows: Callable[[Any]
         return rows(args[0]) and not rows(args[1])
     if target is aten.addmm.default:
         return rows(args[1]) and not rows(args[0]) and not rows(args[2])
-    if target is aten._to_copy.default:
+    if target in (aten._to_copy.default, aten.detach.default):
         return True
     if not isinstance(target, torch._ops.OpOverload) or torch.Tag.pointwise not in target.tags:
         return False

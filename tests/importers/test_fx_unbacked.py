@@ -35,6 +35,13 @@ def _summed_rows(x, w, b, s):
     return torch.relu(x[rows] @ w).sum(0) + b
 
 
+def _rows_contracted(x, w, b, s):
+    """A weight's gradient: picked rows contracted with picked rows (index_select, t, mm)."""
+    rows = torch.nonzero(s > 0)[:, 0]
+    a = x.index_select(0, rows)
+    return a.t() @ torch.relu(a @ w).detach() + b
+
+
 def dump(tmp_path: Path, fn, *inputs: torch.Tensor) -> Path:
     """The forward graph torch.compile makes of fn."""
 
@@ -48,7 +55,7 @@ def dump(tmp_path: Path, fn, *inputs: torch.Tensor) -> Path:
     return tmp_path / "graph.py"
 
 
-@pytest.mark.parametrize("fn", [_picked_rows, _summed_rows])
+@pytest.mark.parametrize("fn", [_picked_rows, _summed_rows, _rows_contracted])
 def test_dense_forms_compute_what_torch_computes(tmp_path: Path, fn) -> None:
     x, w, b = torch.randn(6, 4), torch.randn(4, 4), torch.randn(4)
     path = dump(tmp_path, fn, x, w, b, torch.randn(6))
@@ -63,16 +70,18 @@ def test_dense_forms_compute_what_torch_computes(tmp_path: Path, fn) -> None:
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("fx_moe")
-    for bug in ("", "local_expert_id"):
-        subprocess.run([sys.executable, str(COMPILED), str(out / (bug or "ok")), "moe", "forward", bug], check=True, capture_output=True)
+    for mode, bug in (("forward", ""), ("train", ""), ("forward", "local_expert_id")):
+        subprocess.run([sys.executable, str(COMPILED), str(out / (bug or mode)), "moe", mode, bug], check=True, capture_output=True)
     return out
 
 
-def test_an_expert_parallel_moe_routed_by_nonzero_is_verified(moe: Path) -> None:
-    ref, dist = moe / "ok" / "reference", moe / "ok" / "dist"
-    assert "i64[u0, 1]" in (dist / "fw.g0.r1.py").read_text()
+@pytest.mark.parametrize("mode", ["forward", "train"])
+def test_an_expert_parallel_moe_routed_by_nonzero_is_verified(moe: Path, mode: str) -> None:
+    ref, dist = moe / mode / "reference", moe / mode / "dist"
+    assert "i64[u0, 1]" in next(dist.glob("*.g0.r1.py")).read_text()
     report = verify_graphs(ref, dist)
     assert report.verdict == "equivalent" and report.world_size == 2, report.diagnosis
+    assert sum(c.startswith("gradient of") for c in report.proven) == (2 if mode == "train" else 0)  # the experts' weights
     pair = import_pair(ref, dist)
     captured = pair.captured([p.candidates[0] for p in pair.pairs])
     assert run_graphs(captured.reference, captured.ranks, pair.checks).agree
@@ -100,7 +109,7 @@ PICKED = '''class G(torch.nn.Module):
 @pytest.mark.parametrize(
     "line, expected",
     [
-        ('        t: "f32[4, u0]" = torch.ops.aten.t.default(index)\n        return (x,)', "a row-wise op on `index`"),
+        ('        c: "f32[u0, 4]" = torch.ops.aten.cumsum.default(index, 0)\n        return (x,)', "a row-wise op on `index`"),
         ("        return (index,)", "program outputs of a fixed size"),
         ('        v: "f32[s0, 4]" = torch.ops.aten.view.default(x, [6, 4])\n        return (v,)', "fixed sizes"),
     ],
