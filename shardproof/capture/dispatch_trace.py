@@ -200,7 +200,7 @@ def record(
             twins = _twins(inputs, "meta")
             gm, outputs = _record(fn, twins, decompositions or {}, part)
         device = inputs[0].device if inputs else "cpu"
-        return gm, [_twin(t, device) for t in outputs]
+        return gm, _twins(outputs, device)
     except (ShardproofError, NotPlain):
         raise
     except Exception:  # noqa: BLE001 - not meta-friendly code: record it on fake tensors
@@ -209,7 +209,7 @@ def record(
 
 
 def _twins(tensors: list[torch.Tensor], device: str | None) -> list[torch.Tensor]:
-    """Twins of the inputs (on `device`, None: each on its own), one per tensor: an input given
+    """Twins of the tensors (on `device`, None: each on its own), one per tensor: a tensor given
     twice (a tied embedding and head in a state dict) stays one tensor, as make_fx sees it."""
     made: dict[int, torch.Tensor] = {}
     return [made.setdefault(id(t), _twin(t, device or t.device)) for t in tensors]

@@ -255,8 +255,11 @@ def _trace_rank(session: _Session, rank: int, bound: list[torch.Tensor], memo: b
 
 def _trace_loaded(session: _Session, rank: int, memo: bool, on_meta: bool, symbol: RankExpr | None = None) -> Graph:
     """A rank program that loads its state, then runs its model; `on_meta`: the model built on meta
-    tensors and the program recorded by the light tracer alone (any failure raises). With `symbol`,
-    the program is given that for its rank (see `_rank_class`)."""
+    tensors and the program recorded by the light tracer alone (any failure raises); otherwise the
+    model is built on fake tensors and recorded on them, never tried on meta tensors first: a
+    failed run may have left the model half-changed (FSDP's lazy init refuses meta parameters
+    after it began), and make_fx then traces that same model. With `symbol`, the program is given
+    that for its rank (see `_rank_class`)."""
     program, world_size = session.program, session.world_size
     given = rank if symbol is None else symbol
 
@@ -273,7 +276,7 @@ def _trace_loaded(session: _Session, rank: int, memo: bool, on_meta: bool, symbo
 
     with _recorded_reduce_ops() as reduce_ops:
         return _trace(f"rank {rank}", run_loaded, session.tensors, session.names, reduce_ops, rank, model if memo else None,
-                      program, load, light_only=on_meta)
+                      program, load, light_only=on_meta, on_meta=on_meta)
 
 
 class _RankClasses:

@@ -7,6 +7,7 @@ random leaves (collectives exchanged between the rank graphs) and compared with 
 from __future__ import annotations
 
 import inspect
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -528,3 +529,16 @@ def test_models_that_need_fake_tensors_are_built_again_on_them(monkeypatch: pyte
     # rank 0 is tried with a symbolic rank first (see capture/symbolic_rank), also on meta tensors
     ranks = ["distributed(0, 2)"] * 3 + ["distributed(1, 2)"] * 2
     assert built == ["reference()", "inputs()", "reference()", *ranks]
+
+
+def test_a_model_that_refuses_meta_tensors_half_way_is_traced_afresh_on_fake_ones() -> None:
+    """FSDP2's lazy init refuses meta parameters after it began; the rank built again on fake
+    tensors is recorded on them, not tried on meta tensors once more, which broke it for make_fx."""
+    from shardproof import verify
+    from shardproof.case import load_case
+    from shardproof.oracle import run_numeric
+
+    example = load_case(Path(__file__).parents[2] / "examples" / "mlp_fully_shard.py")
+    case = replace(example, mode="forward", output=("shard", 0))  # each rank's output: its batch shard
+    assert verify(case, world_size=2, backend="none").verdict == "equivalent"
+    assert run_numeric(case, 2, mode="forward").agree

@@ -115,3 +115,11 @@ def test_an_input_given_twice_stays_one_tensor() -> None:
         traced, _ = record(lambda a, b: [a * 2 if a is b else a + b], [tied, tied])
     ops = [n for n in traced.graph.nodes if n.op == "call_function"]
     assert [n.target for n in ops] == [torch.ops.aten.mul.Tensor]
+
+
+def test_a_tensor_returned_twice_stays_one_tensor() -> None:
+    """A loader returning a tied embedding and head (one tensor under two names) hands make_fx
+    one tensor, as functional_call requires of tied names."""
+    weight = torch.randn(4, 3)
+    _, outputs = record(lambda w: [w * 2] * 2, [weight])
+    assert outputs[0] is outputs[1]
