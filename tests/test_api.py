@@ -93,17 +93,8 @@ def test_context_parallel_case_is_proven_at_more_ranks_and_trained(world_size: i
     assert report.verdict == "equivalent", report.diagnosis
 
 
-# Known gaps: (example, world size) -> why it is not proven yet.
-NOT_PROVEN = {
-    ("llama_pp", 8): "two data-parallel pipelines of 4 stages: the Llama trained data parallel over the batch with "
-                     "microbatches is not proven yet (so neither with one stage per pipeline)",
-}
-
-
 def _examples() -> list:
-    params = _params(sorted(p for p in EXAMPLES.glob("*.py") if "def distributed(" in p.read_text()), [1, 2, 4, 8], 4)
-    return [pytest.param(*p.values, id=p.id, marks=[*p.marks, pytest.mark.xfail(strict=True, reason=NOT_PROVEN[key])])
-            if (key := (p.values[0].stem, p.values[1])) in NOT_PROVEN else p for p in params]
+    return _params(sorted(p for p in EXAMPLES.glob("*.py") if "def distributed(" in p.read_text()), [1, 2, 4, 8], 4)
 
 
 @pytest.mark.parametrize(("path", "world_size"), _examples())

@@ -262,6 +262,29 @@ def test_view_of_cat_keeping_the_cat_dim_is_a_cat_of_views():
     assert v.term == b.cat([b.view(x, (6, 4)), b.view(y, (6, 2))], 1).term
 
 
+@SETTINGS
+@given(st.integers(1, 3), st.integers(1, 4), st.sampled_from([(1, 1), (3, 1), (2, 5), (-1, 4)]), st.integers(2, 4))
+def test_scales_move_out_of_a_reshaped_cat(batch, rows, scales, share):
+    """A cat of scaled parts reshaped across its cat dim is the common factor times the reshaped cat:
+    a data-parallel rank's microbatch row, its gradient parts scaled by `share` times the
+    reference's, is `share` times that row of the reference's reshaped cat (no scale stays inside)."""
+    b = Build()
+    x, y = b.leaf("x", (batch, rows, 2, 3)), b.leaf("y", (batch, rows, 2, 1))
+
+    def gradient(factor: int, lo: int, hi: int) -> V:
+        parts = [b.op("mul", b.sl(t, 0, lo, hi), b.scalar(factor * s / 7, (hi - lo, rows, 2, t.shape[3])))
+                 for t, s in ((x, scales[0]), (y, scales[1]))]
+        return b.view(b.cat(parts, 3), (hi - lo, rows * 8))
+
+    whole = gradient(1, 0, batch)
+    b.r.reference_size = len(b.u)
+    row = gradient(share, batch - 1, batch)
+    for v in (whole, row):
+        b.check(v)
+    assert "cat" not in {b.op_of(v) for v in (whole, row)}
+    assert row.term == b.r.scale(b.r.slice(whole.term, ((batch - 1, batch), (0, rows * 8))), share)
+
+
 def test_view_merging_the_cat_dim_of_one_row_parts_joins_them_along_the_next_dim():
     """Sequence shards of a batch of one gathered on dim 0, then flattened with the sequence: the
     whole sequence flattened (and any one-row parts: their join along the next dim)."""

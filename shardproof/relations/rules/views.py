@@ -6,6 +6,7 @@ meet. A part of `Rules`, kept apart for its size: it reaches the other construct
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 from shardproof.relations.layout import Box, box_shape, dst_ones_ahead, full_box, reshape_groups, view_of_box
 from shardproof.relations.rules.values import PARTS
@@ -25,6 +26,10 @@ class ViewRules:
             return self._map_parts(x, lambda t: self.view(t, shape), shape)
         if term.op == "full":
             return self.literal("full", (), term.attrs, shape, term.dtype)
+        if term.op == "cat":
+            factored = self._cat_factored(x)
+            if factored is not None:
+                return self.scale(self.view(factored[0], shape), factored[1])
         if term.op == "bcast":
             moved = self._view_bcast(x, shape)
             if moved is not None:
@@ -78,6 +83,21 @@ class ViewRules:
             if regrouped is not None:
                 return regrouped
         return self.literal("view", (x,), (), shape, term.dtype)
+
+    def _cat_factored(self, x: int) -> tuple[int, Fraction] | None:
+        """(Y, c) with cat(parts) = c * Y, c != 1 the largest rational dividing the parts' common
+        factors (zeros aside), as `common_factor` takes it of a sum: a reshape that does not keep the
+        cat loses the parts' scales into its view, where a rank's microbatch rows (scaled by its share
+        of the batch) no longer meet the reference's (scaled by the whole batch); a scale outside the
+        view meets it by the factor between them."""
+        term = self.u[x]
+        factors = [self.common_factor(p)[1] for p in term.args if self.full_value(p) != 0]
+        if not factors:
+            return None
+        c = Fraction(math.gcd(*(k.numerator for k in factors)), math.lcm(*(k.denominator for k in factors)))
+        if c == 1:
+            return None
+        return self.cat([self.scale(p, 1 / c) for p in term.args], term.attrs[0]), c
 
     def _view_cat(self, x: int, shape: tuple[int, ...]) -> int | None:
         """A reshape that merges the cat dim of one-row-deep parts with the next dim reshapes
