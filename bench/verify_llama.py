@@ -1,7 +1,8 @@
 """Benchmark `shardproof.verify` on the Llama examples across world sizes and depths.
 
 Forward: examples/llama_tp.py. `--train`: one training step of examples/llama_sp_train.py
-(TP + sequence parallel; loss and every gradient).
+(TP + sequence parallel; loss and every gradient). `--pipeline`: one training step of
+examples/llama_pp.py (min(4, ws) stages, 1F1B, 8 microbatches; pipelines data parallel beyond 4).
 
 Each configuration runs in a fresh spawned child process, so its peak RSS is its own.
 Run `python bench/verify_llama.py --help`; see bench/README.md for the columns.
@@ -20,7 +21,7 @@ from typing import Any
 from child import run_in_child
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-CASES = {"forward": EXAMPLES / "llama_tp.py", "train": EXAMPLES / "llama_sp_train.py"}
+CASES = {"forward": EXAMPLES / "llama_tp.py", "train": EXAMPLES / "llama_sp_train.py", "pipeline": EXAMPLES / "llama_pp.py"}
 HEADERS = ["ws", "layers", "verdict", "capture s", "proof s", "total s", "peak MiB", "terms", "ref ops", "dist ops"]
 
 
@@ -77,7 +78,7 @@ def measure(
         case.use_preset(preset)
     config = case.module.CONFIG
     case.module.CONFIG = dataclasses.replace(config, n_layers=layers, batch=batch or config.batch)
-    report = verify(case, world_size=world_size, train=mode == "train", memo=memo, backend=backend)
+    report = verify(case, world_size=world_size, train=mode != "forward", memo=memo, backend=backend)
     return {
         "verdict": report.verdict,
         "capture": report.capture_seconds,
@@ -180,10 +181,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int_list, default=[2, 8, 32], help="comma-separated, default 2,8,32")
     parser.add_argument("--preset", help="a PRESETS entry of the case (e.g. llama3-8b); n_layers is overridden")
     parser.add_argument("--train", action="store_true", help="one training step of examples/llama_sp_train.py")
+    parser.add_argument("--pipeline", action="store_true", help="one training step of examples/llama_pp.py")
     parser.add_argument("--markdown", action="store_true", help="emit markdown tables")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per configuration, default 900")
     args = parser.parse_args(argv)
-    args.mode = "train" if args.train else "forward"
+    args.mode = "pipeline" if args.pipeline else "train" if args.train else "forward"
     if args.preset is not None:
         _check_preset(parser, args.preset, CASES[args.mode])
     return args

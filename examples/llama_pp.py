@@ -12,7 +12,9 @@ embedding too, the last the final norm and lm_head. Each pipeline reads its chun
 pipeline_schedules.py: activations are sent forward and gradients backward with `dist.send` /
 `dist.recv` between the ranks of the pipeline; the last stage's loss of a microbatch is its mean
 squared error divided by the number of microbatches. The gradients are then averaged over the
-pipelines (an all-reduce over each stage's data-parallel group). Claimed: the mean of the last
+pipelines (an all-reduce over each stage's data-parallel group). With TIED, lm_head shares the
+embedding's weight (as Llama 3.2's small models do): the first and last stage each hold a copy and
+add their gradients by an all-reduce over the two (Megatron's embedding group). Claimed: the mean of the last
 stages' losses is the reference's loss, and every stage's gradients are the reference's gradients
 of its layers.
 """
@@ -35,6 +37,7 @@ PRESETS = {name: replace(config, batch=16) for name, config in LLAMA_PRESETS.ite
 MAX_STAGES = 4
 MICROBATCHES = 8
 SCHEDULE = "1f1b"
+TIED = False
 WORLD_SIZE = 4
 MODE = "train"
 
@@ -56,6 +59,11 @@ def _layout(world_size: int) -> tuple[int, int]:
 class LlamaLM(LlamaReference):
     """The reference, called with the teacher's logits too (it ignores them)."""
 
+    def __init__(self, config: LlamaConfig):
+        super().__init__(config)
+        if TIED:
+            self.lm_head.weight = self.embed_tokens.weight
+
     def forward(self, input_ids: torch.Tensor, *targets: torch.Tensor) -> torch.Tensor:
         return super().forward(input_ids)
 
@@ -69,6 +77,8 @@ class LlamaStage(nn.Module):
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config) for i in layers})
         self.norm = RMSNorm(config.hidden, config.norm_eps) if last else None
         self.lm_head = nn.Linear(config.hidden, config.vocab, bias=False) if last else None
+        if TIED and first and last:
+            self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, x: torch.Tensor, *targets: torch.Tensor) -> torch.Tensor:
         if self.embed_tokens is not None:
@@ -88,6 +98,7 @@ def distributed(rank: int, world_size: int) -> nn.Module:
     per_stage = CONFIG.n_layers // stages
     model = LlamaStage(CONFIG, range(stage * per_stage, (stage + 1) * per_stage), stage == 0, stage == stages - 1)
     model.data_parallel = _data_parallel_group(rank, world_size, stages)
+    model.embedding_group = _embedding_group(rank, world_size, stages)
     return model
 
 
@@ -99,6 +110,18 @@ def _data_parallel_group(rank: int, world_size: int, stages: int) -> dist.Proces
     for stage in range(stages):
         group = dist.new_group(list(range(stage, world_size, stages)))
         mine = group if stage == rank % stages else mine
+    return mine
+
+
+def _embedding_group(rank: int, world_size: int, stages: int) -> dist.ProcessGroup | None:
+    """With TIED and several stages, the first and last stage of this rank's pipeline (made on every
+    rank, in one order); None on the other stages."""
+    if not TIED or stages == 1:
+        return None
+    mine = None
+    for first in range(0, world_size, stages):
+        group = dist.new_group([first, first + stages - 1])
+        mine = group if rank in (first, first + stages - 1) else mine
     return mine
 
 
@@ -128,7 +151,10 @@ def distributed_step(model: nn.Module, inputs: tuple, rank: int, world_size: int
     run = StageRun(model, stage, stages, list(tokens.split(size)), list(teacher_logits.split(size)),
                    lambda i: (size, CONFIG.seq, CONFIG.hidden), lambda logits, y: loss(logits, None, y),
                    first_rank)
-    SCHEDULES[SCHEDULE](run, MICROBATCHES)
+    SCHEDULES[SCHEDULE]([run], MICROBATCHES)
+    if model.embedding_group is not None:  # the tied weight's two copies: each gets the sum of both gradients
+        tied = model.embed_tokens if run.first else model.lm_head
+        dist.all_reduce(tied.weight.grad, group=model.embedding_group)
     if model.data_parallel is not None:
         for param in model.parameters():
             dist.all_reduce(param.grad, op=dist.ReduceOp.AVG, group=model.data_parallel)

@@ -4,6 +4,7 @@ fault, and agreement with the numeric oracle (the verifier is checked, not the u
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -103,15 +104,42 @@ def test_example_is_proven(path: Path, world_size: int) -> None:
     assert report.verdict == "equivalent", report.diagnosis
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_the_pipeline_example_is_proven_under_gpipe_too(world_size: int) -> None:
-    """The example's default schedule is 1F1B (above); GPipe runs every forward before any backward."""
-    case = load_case(EXAMPLES / "mlp_pp.py")
-    case.module.SCHEDULE = "gpipe"
+@contextmanager
+def _variant(path: Path, **settings):
+    """The example's case with module settings changed (its default schedule, stages, ties) while in use."""
+    case = load_case(path)
+    saved = {name: getattr(case.module, name) for name in settings}
+    vars(case.module).update(settings)
     try:
-        report = verify(case, world_size=world_size)
-        numbers = run_numeric(case, world_size)
+        yield case
     finally:
-        case.module.SCHEDULE = "1f1b"
+        vars(case.module).update(saved)
+
+
+def _proven_with_oracle(case, world_size: int) -> None:
+    report = verify(case, world_size=world_size)
+    numbers = run_numeric(case, world_size)
     assert numbers.agree, numbers.detail
     assert report.verdict == "equivalent", report.diagnosis
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize(("schedule", "chunks"), [("gpipe", 1), ("interleaved", 2), ("gpipe", 2)])
+def test_the_pipeline_example_is_proven_under_other_schedules(schedule: str, chunks: int, world_size: int) -> None:
+    """The example's default schedule is 1F1B with one stage per rank (above). GPipe runs every
+    forward before any backward; interleaved 1F1B runs two virtual stages per rank (chunks r and
+    r + n), their messages crossing from the last rank back to the first."""
+    with _variant(EXAMPLES / "mlp_pp.py", SCHEDULE=schedule, CHUNKS=chunks) as case:
+        _proven_with_oracle(case, world_size)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("settings", "world_size"), [
+    ({"TIED": True}, 1), ({"TIED": True}, 2), ({"TIED": True}, 4), ({"TIED": True}, 8),
+    ({"MAX_STAGES": 2}, 4), ({"MAX_STAGES": 2, "TIED": True}, 4),
+])
+def test_the_llama_pipeline_is_proven_with_tied_embeddings_and_on_2d_layouts(settings: dict, world_size: int) -> None:
+    """lm_head tied to the embedding (the first and last stage all-reduce its gradient), and
+    two pipelines of 2 stages."""
+    with _variant(EXAMPLES / "llama_pp.py", **settings) as case:
+        _proven_with_oracle(case, world_size)

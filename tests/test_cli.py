@@ -118,6 +118,47 @@ def test_unusable_input_exits_2_with_a_message(tmp_path: Path, capsys, caplog, t
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # torch logs no traceback of its own
 
 
+PIPELINING = '''
+import torch
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+MODE = "train"
+
+class Stage(torch.nn.Linear):
+    def forward(self, x, *targets):
+        return super().forward(x)
+
+def reference():
+    return Stage(4, 4)
+
+def distributed(rank, world_size):
+    return Stage(4, 4)
+
+def inputs():
+    return torch.randn(4, 4), torch.randn(4, 4)
+
+def loss(output, x, target):
+    return ((output - target) ** 2).mean()
+
+def distributed_step(model, inputs, rank, world_size):
+    x, target = inputs
+    schedule = ScheduleGPipe(PipelineStage(model, rank, world_size, torch.device("cpu")), 2, loss_fn=torch.nn.MSELoss())
+    losses = []
+    schedule.step(x, target=target, losses=losses)
+    return sum(losses)
+'''
+
+
+def test_a_value_read_inside_a_torch_library_names_its_line(tmp_path: Path, capsys) -> None:
+    """torch.distributed.pipelining's schedules read a vote received from the other stages with
+    `.item()` before the first microbatch: unusable input, located at the user's call and the
+    library's line."""
+    assert main(["verify", _case(tmp_path, PIPELINING), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "schedule.step(x, target=target, losses=losses)\n  inside torch/distributed/pipelining/schedules.py:" in err
+    assert ".item()" in err.split("\n  inside ", 1)[1].splitlines()[0]
+
+
 def test_missing_file_exits_2(capsys) -> None:
     assert main(["verify", "no/such/case.py", "--quiet"]) == 2
     assert "case file not found" in capsys.readouterr().err

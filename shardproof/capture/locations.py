@@ -141,6 +141,29 @@ def user_frame(err: Exception) -> str:
     return f"\n  at {last.filename}:{last.lineno}  {(last.line or '').strip()}"
 
 
+def library_frame(err: BaseException) -> str:
+    """The line of torch's public Python code (a library the user calls, such as
+    `torch.distributed.pipelining`) that issued the failing op below the user's last frame, if the
+    failure is there: a value read inside a library is that library's line, not the user's call."""
+    frames = traceback.extract_tb(err.__traceback__)
+    users = [i for i, f in enumerate(frames) if is_user_code(f.filename)]
+    issuer = None
+    for frame in frames[users[-1] + 1 :] if users else ():
+        if not _public_torch(frame.filename):
+            break
+        issuer = frame
+    if issuer is None:
+        return ""
+    return f"\n  inside torch/{issuer.filename[len(_TORCH_DIR):]}:{issuer.lineno}  {(issuer.line or '').strip()}"
+
+
+def _public_torch(file: str) -> bool:
+    """A file of torch's public Python packages (not its dispatch, tracing and fake-tensor machinery,
+    which sit between the library's line and the failure)."""
+    top = file[len(_TORCH_DIR):].split(os.sep)[0] if file.startswith(_TORCH_DIR) else "_"
+    return not top.startswith("_") and top not in ("fx", "utils")
+
+
 # Python's own errors of a program's logic
 _PROGRAMMING_ERRORS = (KeyError, AttributeError, AssertionError, NameError, ZeroDivisionError, RecursionError)
 

@@ -27,7 +27,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from shardproof.capture import custom_ops
 from shardproof.capture.dispatch_trace import NotPlain, Traced, chain, record
 from shardproof.capture.hints import hint
-from shardproof.capture.locations import autograd_origins, every_user_frame, locator, raised_by_shardproof, user_frame
+from shardproof.capture.locations import autograd_origins, every_user_frame, locator, library_frame, raised_by_shardproof, user_frame
 from shardproof.capture.meshes import RealDeviceMeshes, distinct_meshes, real_shard_offsets
 from shardproof.capture.symbolic_rank import group_used, symbolic_rank
 from shardproof.case import Case
@@ -450,7 +450,9 @@ def _failing_as_capture_error(what: str, run: Callable[[], Any]) -> Any:
         ours = raised_by_shardproof(err)
         if ours is not None:
             raise InternalError(f"{what} failed in shardproof ({ours}): {type(err).__name__}: {_first_line(err)}") from err
-        raise CaptureError(f"{what} failed: {type(err).__name__}: {_first_line(err)}{user_frame(err)}{hint(err)}") from err
+        advice = hint(err)
+        inside = library_frame(err) if advice else ""
+        raise CaptureError(f"{what} failed: {type(err).__name__}: {_first_line(err)}{user_frame(err)}{inside}{advice}") from err
 
 
 def _placeholder(reference: Graph, output_index: int) -> torch.Tensor:

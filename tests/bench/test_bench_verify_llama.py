@@ -36,6 +36,14 @@ def test_training_configuration_gives_a_full_row(bench: ModuleType):
 
 
 @pytest.mark.slow
+def test_a_pipeline_configuration_gives_a_full_row(bench: ModuleType):
+    """What `--pipeline` measures: examples/llama_pp.py, 2 stages of one layer each at 2 ranks."""
+    row = bench.run_configuration(2, 2, None, timeout=300, mode="pipeline")
+    assert row.verdict == "equivalent", row.note
+    assert row.total is not None and row.peak_mib > 0 and row.distributed_ops > row.reference_ops
+
+
+@pytest.mark.slow
 def test_a_training_step_of_the_tensor_parallel_case_reuses_its_layer_proofs(bench: ModuleType):
     """What `bench/scale.py --train` measures: examples/llama_tp.py in training mode."""
     row = bench.run_configuration(2, 3, None, timeout=120, mode="train", case_file=bench.EXAMPLES / "llama_tp.py")

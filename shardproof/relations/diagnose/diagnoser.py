@@ -135,10 +135,10 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
         `max_piece` only moving elements does."""
         if OPS[node.op].kind == "collective":
             return True
+        if node.op in LAYOUT_OPS:
+            return True  # moving elements (a cat of shares into a flat buffer too) uses no share as whole
         if not self.partial(self.run.ranks[rank][node.id]):
             return False  # the share went into a value no rule carries it through: used as if whole
-        if node.op in LAYOUT_OPS:
-            return True
         partial = [i for i in node.inputs if self.partial(self.run.ranks[rank][i])]
         if self.partial_kind([self.run.ranks[rank][i] for i in partial]) != "partial sum":
             return False
@@ -180,9 +180,9 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
     def _at_op(self, rank: int, node: Node) -> Finding:
         partial_inputs = self._partial_inputs(rank, node)
         if partial_inputs:
-            wrong_shard = self._wrong_shard_summed(rank, node)
-            if wrong_shard is not None:
-                return wrong_shard
+            found = self._wrong_shard_summed(rank, node) or self._share_let_in(rank, node)
+            if found is not None:
+                return found
             kind = self.partial_kind(partial_inputs)
             return Finding(
                 "discrepancy",

@@ -41,6 +41,9 @@ class MissingReductions:
         """A partial sum reaches an output: where did it miss its reduction? Added to a sum that was
         already reduced (a micro-batch accumulated after the all-reduce), reduced only as a copy the
         program then drops (the all-reduce ran on another buffer), or never reduced at all."""
+        let_in = self._share_let_in(rank, node)
+        if let_in is not None:
+            return let_in
         joined = self._added_after_reduction(rank, node)
         if joined is not None:
             join, collective = joined
@@ -81,6 +84,60 @@ class MissingReductions:
             self._reduction_sites(rank, node),
             fix=self._reduction_fix(rank, node, kind),
         )
+
+    def _share_let_in(self, rank: int, node: Node) -> Finding | None:
+        """A reduction on the way to `node` whose result holds shares of a sum over ranks that its
+        input on this rank holds none of: another rank of its group added its share of a sum over
+        other ranks before that sum was reduced (a tied embedding's copies all-reduced after the
+        distributed optimizer's reduce-scatter left each copy reduced on another rank). The
+        reduction is in the wrong place."""
+        terms = self.run.ranks[rank]
+        for n in sorted(self.ranks[rank].ancestors(node), key=lambda n: n.id):
+            if n.op not in ("all_reduce", "reduce_scatter"):
+                continue
+            mine = set().union(*(self._shares(terms[i]) for i in n.inputs))
+            if not self._shares(terms[n.id]) - mine:
+                continue
+            group = list(n.attrs[-1])
+            sharers = [(s, peer, theirs) for s in group if s != rank for peer in [self._same_reduction(rank, n, s)]
+                       if peer is not None for theirs in [self._shares(self.run.ranks[s][peer.inputs[0]]) - mine] if theirs]
+            if not sharers:
+                continue
+            sharer, peer, theirs = sharers[0]
+            over = [g.rank for g in self.ranks if self._makes_shares(g.rank, theirs)]
+            return Finding(
+                "discrepancy",
+                "missing reduction",
+                f"missing reduction: `{n.op}` over ranks {group} adds rank {sharer}'s share of a sum over ranks {over} "
+                "before that sum is reduced: the result holds an unreduced share",
+                [(rank, n), (sharer, peer)],
+                fix=f"reduce over ranks {over} after the `{n.op}` at {line_of(n)}, not before it (or complete rank "
+                    f"{sharer}'s share before it)",
+            )
+        return None
+
+    def _makes_shares(self, rank: int, sums: set[int]) -> bool:
+        """Rank `rank` computes a share of one of `sums` itself, before any collective hands it one."""
+        graph, terms, received = self.ranks[rank], self.run.ranks[rank], set()
+        for n in graph.nodes:
+            if OPS[n.op].kind == "collective" or any(i in received for i in n.inputs):
+                received.add(n.id)
+            elif self._shares(terms[n.id]) & sums:
+                return True
+        return False
+
+    def _shares(self, t: int) -> set[int]:
+        """The sums over ranks that `t` holds a share of, also in any part of a cat (a flat buffer)."""
+        term = self.r.u[t]
+        return set().union(*(self._shares(a) for a in term.args)) if term.op == "cat" else self._summed(t)
+
+    def _same_reduction(self, rank: int, node: Node, other: int) -> Node | None:
+        """Rank `other`'s reduction that `node` (of `rank`) meets: the k-th over the same group on each."""
+        group = node.attrs[-1]
+        mine = [n.id for n in self.ranks[rank].nodes if n.op == node.op and n.attrs[-1] == group]
+        theirs = [n for n in self.ranks[other].nodes if n.op == node.op and n.attrs[-1] == group]
+        k = mine.index(node.id)
+        return theirs[k] if k < len(theirs) else None
 
     def _wrong_shard_summed(self, rank: int, node: Node) -> Finding | None:
         """A share of a sum over ranks made from a shard the loader (or `shard_input`) cut at another
