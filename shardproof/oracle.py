@@ -276,7 +276,9 @@ def _run_ranks(fn: Callable[[int], Any], world_size: int) -> tuple[list[Any], li
 def _flat_buffer_collectives() -> Iterator[None]:
     """`all_gather_into_tensor` and `reduce_scatter_tensor` as NCCL runs them: on the buffers' flat
     memory, whatever their shapes. The threaded group chunks the shaped buffer along dim 0
-    instead, which differs (and fails) when the output is not the inputs stacked on dim 0."""
+    instead, which differs (and fails) when the output is not the inputs stacked on dim 0. A
+    reduce-scatter reads every input before it writes an output, so one in place (the output a
+    chunk of the rank's own input, Megatron's gradient buffers) sums the inputs as they were."""
     originals = ProcessLocalGroup.all_gather_single, ProcessLocalGroup.reduce_scatter_single
 
     def all_gather_single(self, output, input_, opts=AllgatherOptions()):
@@ -284,7 +286,7 @@ def _flat_buffer_collectives() -> Iterator[None]:
         return self.allgather([chunks], [input_.reshape(-1)], opts)
 
     def reduce_scatter_single(self, output, input_, opts=ReduceScatterOptions()):
-        return self.reduce_scatter([output.view(-1)], [list(input_.reshape(-1).chunk(self._world_size))], opts)
+        return self.reduce_scatter([output.view(-1)], [list(input_.reshape(-1).clone().chunk(self._world_size))], opts)
 
     ProcessLocalGroup.all_gather_single, ProcessLocalGroup.reduce_scatter_single = all_gather_single, reduce_scatter_single
     try:

@@ -184,6 +184,35 @@ def test_all_gather_into_a_buffer_of_another_shape_fills_flat_memory() -> None:
     assert result.agree, result.detail
 
 
+class _SummedRows(nn.Module):
+    """The sum of `up(x)` over the rows, flat; a rank sums its own rows into a flat buffer and
+    reduce-scatters it in place (its output a chunk of its input, as Megatron's gradient buffers)."""
+
+    def __init__(self, distributed: bool):
+        super().__init__()
+        self.up = nn.Linear(HIDDEN, FFN)
+        self.distributed = distributed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        buffer = self.up(x).sum(0)
+        if not self.distributed:
+            return buffer
+        chunk = buffer.numel() // dist.get_world_size()
+        mine = buffer[dist.get_rank() * chunk : (dist.get_rank() + 1) * chunk]
+        dist.reduce_scatter_tensor(mine, buffer)
+        return mine
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_reduce_scatter_in_place_reads_every_input_before_writing(world_size: int) -> None:
+    case = Case(reference=lambda: _SummedRows(False), distributed=lambda rank, n: _SummedRows(True),
+                inputs=lambda: (torch.randn(8, HIDDEN),), shard_input=lambda i, full, rank, n: full.chunk(n)[rank],
+                output=("shard", 0))
+    result = run_numeric(case, world_size)
+    assert result.agree, result.detail
+    assert verify(case, world_size=world_size).verdict == "equivalent"
+
+
 class _Head(nn.Module):
     def __init__(self) -> None:
         super().__init__()

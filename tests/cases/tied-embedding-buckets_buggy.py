@@ -122,9 +122,8 @@ class DistributedOptimizer:
 
     def reduce_scatter_grads(self):
         """Each rank's shard of the buffer becomes the data-parallel mean (the rest stays local)."""
-        reduced = torch.empty(self.shard)
-        dist.reduce_scatter_tensor(reduced, self.grad_data, op=dist.ReduceOp.AVG, group=self.group)
-        self.grad_data[self.start : self.start + self.shard] = reduced
+        local = self.grad_data[self.start : self.start + self.shard]
+        dist.reduce_scatter_tensor(local, self.grad_data, op=dist.ReduceOp.AVG, group=self.group)
 
     def step(self):
         flat = torch.cat([p.detach().reshape(-1) for p in self.params])
