@@ -12,7 +12,8 @@ traces (which of its paths the call takes, which IR ops it emits), not kept by h
 
 A row lists every route the op took (arguments can change it: argmax over a dim is our op, over
 the flattened tensor an open op). Each model is traced at world size 2, reference and ranks,
-forward and in training where the model has a loss, in this process (nothing is proven).
+forward (unless the case defines its own training step: its rank model may be one stage) and in
+training where the model has a loss, in this process (nothing is proven).
 
     python bench/op_coverage.py [--only examples,sampling,transformers,torchtitan,megatron] [--case case.py ...]
 """
@@ -162,8 +163,12 @@ def _importable(module: str) -> bool:
     return True
 
 
-def _trainable(case: Any, mode: str) -> bool:
-    return mode == "forward" or case.mode != "forward" or case.loss is not None or case.distributed_step is not None
+def _defines(case: Any, mode: str) -> bool:
+    """Whether the case defines a program in `mode`: a case with its own training step (a pipeline
+    schedule, FSDP's hooks) defines none in forward mode, where its rank model alone may be a stage."""
+    if mode == "forward":
+        return case.distributed_step is None
+    return case.mode != "forward" or case.loss is not None or case.distributed_step is not None
 
 
 def collect(only: set[str], extra: list[str] = ()) -> tuple[Routes, list[str]]:
@@ -177,7 +182,7 @@ def collect(only: set[str], extra: list[str] = ()) -> tuple[Routes, list[str]]:
                 routes.model = f"{model} {mode}"
                 try:
                     case = build()
-                    if not _trainable(case, mode):
+                    if not _defines(case, mode):
                         continue
                     with case.importable():
                         capture(case, 2, mode=mode)
