@@ -104,11 +104,21 @@ def _report(proof: Proof, candidate: Candidate, seconds: float) -> Report:
         report.claims = failing_claims(proof.findings)
         report.kind, report.claim, report.fix, report.regions = finding.kind, finding.claim, finding.fix, finding.regions
         report.diagnosis = finding.message + (f"; note: {candidate.caveat}" if candidate.caveat else "")
-        report.distributed = _located_first(_unique([_site(node, rank) for rank, node in finding.distributed]))
+        report.distributed = _located_first(_unique([s for rank, node in finding.distributed for s in _sites(node, rank)]))
         report.reference = _located_first(_unique([_site(node, None) for node in finding.reference]))
         if finding.verdict == "unknown":
             report.unknown = {"op": finding.op or "", "reason": report.diagnosis}
     return report
+
+
+def _sites(node: Node, rank: int) -> list[Site]:
+    """A distributed op's site, after the line that chose the rank its offsets stand for when that
+    is another: a rank's neighbour or group picked wrongly is fixed there."""
+    chosen = node.loc.rank_chosen if node.loc else None
+    own = _site(node, rank)
+    if chosen is None:
+        return [own]
+    return [Site(chosen.file, chosen.line, chosen.code, f"rank for {own.op}", rank, node.name), own]
 
 
 def _site(node: Node, rank: int | None) -> Site:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import functools
+import linecache
 import os
 import re
 import sys
@@ -178,6 +179,17 @@ def raised_by_shardproof(err: BaseException) -> str | None:
     if not frames or not frames[-1].filename.startswith(_TOOLS[1]):
         return None
     return f"{frames[-1].filename.removeprefix(_TOOLS[1])}:{frames[-1].lineno}"
+
+
+def current_location() -> Location | None:
+    """The user's line running now: the innermost frame of user code on the stack."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and not is_user_code(frame.f_code.co_filename):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+    return Location(frame.f_code.co_filename, frame.f_lineno, code)
 
 
 def locate(node: fx.Node) -> Location | None:

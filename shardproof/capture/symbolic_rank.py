@@ -25,6 +25,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from shardproof.capture.dispatch_trace import Recorder
+from shardproof.capture.locations import current_location
 from shardproof.ir import rank_expr
 from shardproof.ir.rank_expr import Guard, RankExpr, recording
 
@@ -75,7 +76,7 @@ def symbolic_rank(at: int, world_size: int) -> Iterator[tuple[RankExpr, set[Guar
     shard_offsets = dtensor_utils._compute_local_shape_and_global_offset
     with recording() as guards, _RankArguments():
         _PROCESS_GROUP.rank = rank_in
-        rank_expr.tensor_operation = _tensor_operation
+        rank_expr.tensor_operation, rank_expr.current_location = _tensor_operation, current_location
         torch.narrow = torch.Tensor.narrow = _narrowing(narrow)
         DeviceMesh.__init__ = at_rank_traced(mesh_init)
         Shard._select_split_tensor = _placeholder_shard(split)
@@ -85,7 +86,7 @@ def symbolic_rank(at: int, world_size: int) -> Iterator[tuple[RankExpr, set[Guar
             yield symbol, guards
         finally:
             _PROCESS_GROUP.rank = original
-            rank_expr.tensor_operation = None
+            rank_expr.tensor_operation = rank_expr.current_location = None
             torch.narrow, torch.Tensor.narrow = narrow, tensor_narrow
             DeviceMesh.__init__, Shard._select_split_tensor = mesh_init, split
             dtensor_utils._compute_local_shape_and_global_offset = shard_offsets

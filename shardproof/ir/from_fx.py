@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -32,7 +32,7 @@ from shardproof.ir import aten_ops
 from shardproof.ir.aliasing import IDENTITY, PART, Step, Views, written_by_collective
 from shardproof.ir.decompose import decomposed_graph, decomposition_of
 from shardproof.ir.graph import Graph, Location
-from shardproof.ir.rank_expr import RankExpr, mentions_rank
+from shardproof.ir.rank_expr import RankExpr, mentions_rank, rank_origins
 
 Value = Any  # an IR node id, or a (nested) tuple of them for multi-output ops
 LocationOf = Callable[[fx.Node], Location | None]
@@ -73,7 +73,18 @@ class Lowerer:
             dtype = str(val.dtype).removeprefix("torch.") if isinstance(val, torch.Tensor) else "float32"
         site = self.site or node
         name = site.name if site is not None else op
-        return self.graph.add(op, inputs, attrs, shape, dtype, name, self.location(node))
+        return self.graph.add(op, inputs, attrs, shape, dtype, name, self._with_rank_chosen(self.location(node), attrs, inputs))
+
+    def _with_rank_chosen(self, loc: Location | None, attrs: tuple, inputs: tuple[int, ...]) -> Location | None:
+        """`loc`, with the line that chose the rank its offsets (its attrs', its scalar operands',
+        those of the ops its line made before it) stand for, when another (see `Location.rank_chosen`)."""
+        operands = [self.graph[i] for i in inputs]
+        held = (attrs, [o.attrs for o in operands if o.op == "const"])
+        chosen = {o for o in rank_origins(held) if o is not None}
+        chosen |= {o.loc.rank_chosen for o in operands if o.loc and o.loc.rank_chosen and loc and (o.loc.file, o.loc.line) == (loc.file, loc.line)}
+        if loc is None or len(chosen) != 1 or next(iter(chosen)).line == loc.line:
+            return loc
+        return replace(loc, rank_chosen=next(iter(chosen)))
 
     def location(self, node: fx.Node | None) -> Location | None:
         """Where the user wrote `node`: inside a decomposition, where they wrote the op decomposed."""

@@ -19,6 +19,9 @@ class Location:
     line: int
     code: str
     backward: bool = False  # an op of this line's backward formula
+    # another line that chose the rank this op's offsets stand for (a remainder or quotient of the
+    # rank: RankExpr.origin); a wrong rank is fixed there, not where its offset is used
+    rank_chosen: Location | None = None
 
     def short(self) -> str:
         return f"{self.file.rsplit('/', 1)[-1]}:{self.line}"

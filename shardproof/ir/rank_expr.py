@@ -52,6 +52,10 @@ _log: set[Guard] | None = None
 tensor_operation: Callable[[str, Any, "RankExpr"], Any] | None = None
 
 
+# The user's line running now (a Location), set by the capture: where a rank is regrouped (`origin`).
+current_location: Callable[[], Any] | None = None
+
+
 def _foreign(method: str, other: Any, expr: RankExpr) -> Any:
     return NotImplemented if tensor_operation is None else tensor_operation(method, other, expr)
 
@@ -77,11 +81,15 @@ def _guard(form: Form, op: str, outcome: bool) -> bool:
 class RankExpr:
     """An int-valued expression of the rank; `value` is its value at the rank traced."""
 
-    __slots__ = ("form", "value")
+    __slots__ = ("form", "value", "origin")
 
-    def __init__(self, form: Form, value: int):
+    def __init__(self, form: Form, value: int, origin: Any = None):
         self.form = form
         self.value = value
+        # Where the rank was first regrouped: the user's line that took a floor quotient or remainder
+        # of it (a neighbour's rank, a group's index). A wrong rank is chosen on such a line, not
+        # where the offset it makes is used; None for an affine expression of the rank.
+        self.origin = origin
 
     @staticmethod
     def symbol(at: int) -> RankExpr:
@@ -97,7 +105,7 @@ class RankExpr:
     def __add__(self, other: Any) -> Any:
         if not _number(other):
             return self._concrete() + other if isinstance(other, float) else _foreign("__radd__", other, self)
-        return _made(_combined(self.form, _form(other), 1), self.value + _value(other))
+        return _made(_combined(self.form, _form(other), 1), self.value + _value(other), _origin(self, other))
 
     def __radd__(self, other: Any) -> Any:
         return self + other if _number(other) or isinstance(other, float) else _foreign("__add__", other, self)
@@ -105,7 +113,7 @@ class RankExpr:
     def __sub__(self, other: Any) -> Any:
         if not _number(other):
             return self._concrete() - other if isinstance(other, float) else _foreign("__rsub__", other, self)
-        return _made(_combined(self.form, _form(other), -1), self.value - _value(other))
+        return _made(_combined(self.form, _form(other), -1), self.value - _value(other), _origin(self, other))
 
     def __rsub__(self, other: Any) -> Any:
         return (-self) + other if _number(other) or isinstance(other, float) else _foreign("__sub__", other, self)
@@ -121,7 +129,7 @@ class RankExpr:
             return self._concrete() * other
         if not _number(other):
             return self._concrete() * other if isinstance(other, float) else _foreign("__rmul__", other, self)
-        return _made(_scaled(self.form, other), self.value * other)
+        return _made(_scaled(self.form, other), self.value * other, self.origin)
 
     def __rmul__(self, other: Any) -> Any:
         return self * other if _number(other) or isinstance(other, float) else _foreign("__mul__", other, self)
@@ -131,8 +139,8 @@ class RankExpr:
             return self._concrete() // other
         const, terms = self.form
         if const % other == 0 and all(c % other == 0 for _, c in terms):
-            return _made((const // other, tuple((a, c // other) for a, c in terms)), self.value // other)
-        return _made((0, ((("floordiv", self.form, other), 1),)), self.value // other)
+            return _made((const // other, tuple((a, c // other) for a, c in terms)), self.value // other, self.origin)
+        return _made((0, ((("floordiv", self.form, other), 1),)), self.value // other, self._regrouped())
 
     def __mod__(self, other: Any) -> Any:
         if type(other) is not int or other <= 0:
@@ -140,7 +148,13 @@ class RankExpr:
         const, terms = self.form
         if all(c % other == 0 for _, c in terms):
             return const % other
-        return _made((0, ((("mod", self.form, other), 1),)), self.value % other)
+        return _made((0, ((("mod", self.form, other), 1),)), self.value % other, self._regrouped())
+
+    def _regrouped(self) -> Any:
+        """The origin of a quotient or remainder of this expression: its own, else the line running."""
+        if self.origin is None and current_location is not None:
+            return current_location()
+        return self.origin
 
     def __rfloordiv__(self, other: Any) -> Any:
         return other // self._concrete()
@@ -252,8 +266,12 @@ def _scaled(form: Form, k: int) -> Form:
     return (const * k, tuple((a, c * k) for a, c in terms if c * k))
 
 
-def _made(form: Form, value: int) -> int | RankExpr:
-    return RankExpr(form, value) if form[1] else form[0]
+def _made(form: Form, value: int, origin: Any) -> int | RankExpr:
+    return RankExpr(form, value, origin) if form[1] else form[0]
+
+
+def _origin(a: RankExpr, b: Any) -> Any:
+    return a.origin if a.origin is not None or not isinstance(b, RankExpr) else b.origin
 
 
 def evaluate_form(form: Form, rank: int) -> int:
@@ -302,3 +320,12 @@ def mentions_rank(value: Any) -> bool:
     if isinstance(value, RankExpr):
         return True
     return isinstance(value, (tuple, list)) and any(mentions_rank(v) for v in value)
+
+
+def rank_origins(value: Any) -> Iterator[Any]:
+    """The origin of every RankExpr in `value` (an op's attrs: nested tuples and lists)."""
+    if isinstance(value, RankExpr):
+        yield value.origin
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from rank_origins(v)

@@ -100,3 +100,17 @@ def test_attrs_are_evaluated_through_nested_tuples() -> None:
         attrs = (1, (rank * 4, rank * 4 + 4), ("full", rank // 2))
     assert at_rank(attrs, 5) == (1, (20, 24), ("full", 2))
     assert not mentions_rank(at_rank(attrs, 5))
+
+
+def test_the_line_that_regroups_the_rank_is_kept_through_affine_arithmetic(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A remainder or quotient of the rank (a neighbour's rank, a group's index) remembers the line
+    running when it was taken; an affine expression of the rank remembers none."""
+    lines = iter(["first", "second"])
+    monkeypatch.setattr("shardproof.ir.rank_expr.current_location", lambda: next(lines))
+    with recording():
+        rank = RankExpr.symbol(1)
+        offset = rank * 4 + 2
+        neighbour = (rank + 1) % 4
+        regrouped = [neighbour * 8 + offset, 3 - neighbour, neighbour // 2]
+    assert offset.origin is None
+    assert [r.origin for r in regrouped] == ["first"] * 3

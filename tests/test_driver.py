@@ -1,0 +1,66 @@
+"""The driver's sites: a rank chosen wrongly (a neighbour's, taken as a remainder of the rank) is
+named first at the line that chose it, before the op whose offset it makes. The buggy program
+disagrees numerically and is found there; the fixed twin is proven and agrees."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from shardproof import verify
+from shardproof.case import Case
+from shardproof.oracle import run_numeric
+
+VOCAB, HIDDEN, TOKENS = 16, 4, 6
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows of the table; ids outside them are looked up as row 0 and zeroed."""
+
+    def __init__(self, rank: int, world_size: int):
+        super().__init__()
+        rows = VOCAB // world_size
+        self.start, self.stop = rank * rows, (rank + 1) * rows
+        self.weight = nn.Parameter(torch.empty(rows, HIDDEN))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.start) | (ids >= self.stop)
+        local = F.embedding((ids - self.start).masked_fill(outside, 0), self.weight)
+        local = local.masked_fill(outside[..., None], 0.0)
+        dist.all_reduce(local)
+        return local
+
+
+def neighbour(rank: int, world_size: int) -> nn.Module:
+    return VocabParallelEmbedding((rank + 1) % world_size, world_size)  # BUG: a neighbour's rows
+
+
+def own(rank: int, world_size: int) -> nn.Module:
+    return VocabParallelEmbedding(rank, world_size)
+
+
+def shard_state(state: dict, rank: int, world_size: int) -> dict:
+    rows = VOCAB // world_size
+    return {"weight": state["weight"][rank * rows : (rank + 1) * rows]}
+
+
+def case(distributed, world_size: int) -> Case:
+    return Case(lambda: nn.Embedding(VOCAB, HIDDEN), distributed, lambda: (torch.randint(0, VOCAB, (TOKENS,)),),
+                world_size, shard_state)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_rank_chosen_wrongly_is_named_at_the_line_that_chose_it(world_size: int) -> None:
+    buggy = case(neighbour, world_size)
+    assert not run_numeric(buggy, world_size).agree
+    report = verify(buggy, world_size=world_size)
+    assert report.verdict == "discrepancy", report.diagnosis
+    first = report.distributed[0]
+    assert Path(first.file).name == Path(__file__).name and "# BUG" in first.code, report.distributed
+    fixed = case(own, world_size)
+    assert verify(fixed, world_size=world_size).verdict == "equivalent" and run_numeric(fixed, world_size).agree
