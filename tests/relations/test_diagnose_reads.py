@@ -77,6 +77,21 @@ class GatheredLogits(nn.Module):
         return torch.cat(pieces, dim=-1)
 
 
+class ScatteredMlp(Mlp):
+    """Row parallel, the sum over ranks reduce-scattered along the tokens (sequence parallel)."""
+
+    def __init__(self, world_size: int, scatter: bool):
+        super().__init__(FFN // world_size)
+        self.world_size, self.scatter = world_size, scatter
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.down(F.gelu(self.up(x)))  # BUG without the reduce-scatter: nothing reads it
+        out = torch.empty(y.shape[0] // self.world_size, *y.shape[1:])
+        if self.scatter:
+            dist.reduce_scatter_single(out, y)
+        return out
+
+
 class Head(nn.Module):
     def __init__(self):
         super().__init__()
@@ -165,3 +180,20 @@ def test_a_buffer_no_all_gather_filled_is_an_uninitialised_memory_read() -> None
     assert "`pieces`" in said and "allocated empty at line" in said and "nothing wrote" in said
     assert "`local` (line" in said and "never read" in said and "from `local`" in said
     _check(case(True), 2, None)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_buffer_no_reduce_scatter_filled_is_found_at_the_sum_it_should_have_scattered(world_size: int) -> None:
+    """The value left unread holds every rank's part of the buffer (world size times its elements)."""
+    def case(scatter: bool) -> Case:
+        return Case(Mlp, lambda r, n: ScatteredMlp(n, scatter), lambda: (torch.randn(8, HIDDEN),),
+                    shard_state=_row_parallel, output=("shard", 0))
+
+    said = _check(case(False), world_size, "uninitialised memory read")
+    assert "`out`" in said and "`y`" in said and "never read" in said
+    _check(case(True), world_size, None)
+
+
+def _row_parallel(state: dict, rank: int, world_size: int) -> dict:
+    return {"up.weight": state["up.weight"].chunk(world_size, 0)[rank],
+            "down.weight": state["down.weight"].chunk(world_size, 1)[rank]}

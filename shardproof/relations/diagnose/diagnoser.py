@@ -218,7 +218,8 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
             where = f"; each share of it is scaled by {scaling[1]} here, where the reference scales the whole by {want}"
             return Finding("discrepancy", "wrong scale", message + where, [(rank, scaling[0]), (rank, culprit)], scale=factor,
                            fix=f"scale by {want} (the whole) instead of {scaling[1]} (a share) at {line_of(scaling[0])}")
-        return self._wrong_axis_finding(rank, node) or self._misplaced_positions(rank, [node]) or self._unexplained(rank, node)
+        return (self._wrong_axis_finding(rank, node) or self._misplaced_positions(rank, [node])
+                or self._unwritten_output(rank, node) or self._unexplained(rank, node))
 
     # --- finding the line that introduced something ---------------------------------------------------
     def _lin_args(self, t: int) -> tuple[int, ...]:

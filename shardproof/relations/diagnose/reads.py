@@ -21,16 +21,17 @@ REDUCE_OP_NAMES = {"sum": "SUM", "mean": "AVG", "max": "MAX", "min": "MIN", "pro
 
 def _unused_like(graph: Graph, buffers: list[Node], world_size: int) -> Node | None:
     """The first value the program computes (in its own code) and never uses, of the dtype of one
-    of the buffers and as many elements as it or as one rank's part of it: the value a deleted
-    collective or copy would have put there. Ops that only move data are passed over: the value is
-    where it was computed."""
+    of the buffers and as many elements as it, as one rank's part of it (an all-gather's input) or
+    as all ranks' parts (a reduce-scatter's): the value a deleted collective or copy would have put
+    there. Ops that only move data are passed over: the value is where it was computed."""
     live, todo = set(graph.outputs), list(graph.outputs)
     while todo:
         for i in graph[todo.pop()].inputs:
             if i not in live:
                 live.add(i)
                 todo.append(i)
-    wanted = {(math.prod(b.shape) // parts, b.dtype) for b in buffers for parts in (1, world_size)}
+    wanted = {(size, b.dtype) for b in buffers
+              for size in (math.prod(b.shape), math.prod(b.shape) // world_size, math.prod(b.shape) * world_size)}
     for node in graph.nodes:
         if node.id in live or node.loc is None or node.op in _NOT_COMPUTING:
             continue
@@ -69,28 +70,37 @@ class CollectiveOperands:
 
     def _uninitialised_read(self, rank: int, chain: list[Node]) -> Finding | None:
         """The first op of the chain whose operand holds elements of a buffer nobody wrote."""
-        graph, terms = self.ranks[rank], self.run.ranks[rank]
         for node in chain:
             for i in node.inputs:
-                empty = self._held({terms[i]}, {"empty"}, found_terms=True)
-                if not empty:
-                    continue
-                buffers = [graph[self.r.u[t].attrs[1]] for t in sorted(empty)]
-                buffer, source = buffers[0], _unused_like(graph, buffers, len(self.ranks))
-                said = "" if source is None else f"; {value_name(source)} ({line_of(source)}), of its size or a " \
-                    "rank's part of it, is computed and never read: probably what should fill it"
-                return Finding(
-                    "discrepancy",
-                    "uninitialised memory read",
-                    f"uninitialised memory read: `{node.op}` on rank {rank} reads elements of {value_name(buffer)}, "
-                    f"allocated empty at {line_of(buffer)}, that nothing wrote: the collective or copy that should "
-                    f"fill it is missing{said}",
-                    [*([] if source is None else [(rank, source)]), (rank, node), (rank, buffer)],
-                    op=node.op,
-                    fix=f"fill {value_name(buffer)} (the all-gather or copy into it"
-                        f"{'' if source is None else ' from ' + value_name(source)}) before {line_of(node)}",
-                )
+                found = self._unwritten(rank, i, f"`{node.op}` on rank {rank} reads", node)
+                if found is not None:
+                    return found
         return None
+
+    def _unwritten_output(self, rank: int, node: Node) -> Finding | None:
+        """An output that is (a view of) a buffer nobody wrote: the caller reads it."""
+        return self._unwritten(rank, node.id, f"the output of rank {rank} holds", None)
+
+    def _unwritten(self, rank: int, value: int, reading: str, reader: Node | None) -> Finding | None:
+        graph = self.ranks[rank]
+        empty = self._held({self.run.ranks[rank][value]}, {"empty"}, found_terms=True)
+        if not empty:
+            return None
+        buffers = [graph[self.r.u[t].attrs[1]] for t in sorted(empty)]
+        buffer, source = buffers[0], _unused_like(graph, buffers, len(self.ranks))
+        said = "" if source is None else f"; {value_name(source)} ({line_of(source)}), of its size or a " \
+            "rank's part of it (or all ranks' parts), is computed and never read: probably what should fill it"
+        return Finding(
+            "discrepancy",
+            "uninitialised memory read",
+            f"uninitialised memory read: {reading} elements of {value_name(buffer)}, allocated empty at "
+            f"{line_of(buffer)}, that nothing wrote: the collective or copy that should fill it is missing{said}",
+            [*([] if source is None else [(rank, source)]), *([] if reader is None else [(rank, reader)]), (rank, buffer)],
+            op=(reader or buffer).op,
+            fix=f"fill {value_name(buffer)} (the collective or copy into it"
+                f"{'' if source is None else ' from ' + value_name(source)})"
+                f"{'' if reader is None else ' before ' + line_of(reader)}",
+        )
 
     def _held(self, todo: set[int], wanted: set[str], found_terms: bool = False) -> set:
         """The ops among `wanted` found in the terms whose elements `todo` keeps (term ids with
