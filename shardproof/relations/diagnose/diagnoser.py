@@ -204,7 +204,8 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
         miscounted = self._miscounted(parts)
         if miscounted is not None:
             extra, have, want = miscounted
-            culprit = self._introducing(rank, node, lambda x: self._scaled(x))
+            culprit = self._earliest(rank, node, lambda x: self._carrying(x, extra, have)) \
+                or self._introducing(rank, node, self._scaled)
             if OPS[culprit.op].kind == "collective":
                 repeated = self._double_reduction(rank, culprit)
                 if repeated is not None:
@@ -227,12 +228,15 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
         return term.args if term.op == "lin" else ()
 
     def _introducing(self, rank: int, node: Node, test) -> Node:
-        """The earliest ancestor of `node` on this rank whose value passes `test`."""
+        """The earliest ancestor of `node` on this rank whose value passes `test`, else `node`."""
+        return self._earliest(rank, node, test) or node
+
+    def _earliest(self, rank: int, node: Node, test) -> Node | None:
         graph, terms = self.ranks[rank], self.run.ranks[rank]
         for ancestor in graph.ancestors(node):
             if ancestor.op not in ("leaf", "const") and test(terms[ancestor.id]):
                 return ancestor
-        return node
+        return None
 
     def _unexplained(self, rank: int, node: Node) -> Finding:
         return Finding(

@@ -113,6 +113,18 @@ class ScaleFaults:
             fix=f"give the {term} the coefficient {want[bad]} at {line_of(culprit)}",
         )
 
+    def _carrying(self, t: int, term: int, coefficient: Fraction) -> bool:
+        """`t` sums the terms of one of the reference's sums and holds `term` with `coefficient`:
+        where an output's miscounted term got its coefficient (the op combining the right terms with
+        the wrong signs), not any earlier scaled value (a negation, a difference the reference
+        writes another way)."""
+        sum_ = self.r.u[t]
+        return (
+            self._scaled(t)
+            and len(sum_.args) > 1 and frozenset(sum_.args) in self._ref_lins
+            and dict(zip(sum_.args, sum_.attrs[0])).get(term) == coefficient
+        )
+
     def _scaled(self, t: int) -> bool:
         term = self.r.u[t]
         return (
