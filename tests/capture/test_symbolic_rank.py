@@ -30,13 +30,15 @@ def by_rank(case: Case, world_size: int) -> tuple[int, list[Graph | None], list[
 
 
 def numbered(graph: Graph, table: dict) -> list[int]:
-    """Value numbers of the outputs: equal numbers, equal programs (ops, attrs, shapes, lines)."""
+    """Value numbers of the outputs: equal numbers, equal programs (ops, attrs, shapes, lines; not
+    the line that chose a rank, `Location.rank_chosen`, which only a symbolic rank remembers)."""
     numbers: list[int] = []
     for node in graph.nodes:
         attrs = node.attrs
         if node.op == "call":
             attrs = (tuple(numbered(attrs[0].graph, table)), *attrs[1:]) if isinstance(attrs[0], Template) else attrs
-        key = (node.op, repr(attrs), node.shape, node.dtype, node.loc, tuple(numbers[i] for i in node.inputs))
+        loc = node.loc and dataclasses.replace(node.loc, rank_chosen=None)
+        key = (node.op, repr(attrs), node.shape, node.dtype, loc, tuple(numbers[i] for i in node.inputs))
         numbers.append(table.setdefault(key, len(table)))
     return [numbers[o] for o in graph.outputs]
 
