@@ -6,6 +6,7 @@ fill a `torch.empty` output is missing). A part of `Diagnoser`.
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 from shardproof.ir.graph import Graph, Node
 from shardproof.relations.diagnose.agreement import LAYOUT_OPS, PIECES
@@ -21,23 +22,22 @@ REDUCE_OP_NAMES = {"sum": "SUM", "mean": "AVG", "max": "MAX", "min": "MIN", "pro
 
 def _unused_like(graph: Graph, buffers: list[Node], world_size: int) -> Node | None:
     """The first value the program computes (in its own code) and never uses, of the dtype of one
-    of the buffers and as many elements as it, as one rank's part of it (an all-gather's input) or
-    as all ranks' parts (a reduce-scatter's): the value a deleted collective or copy would have put
-    there. Ops that only move data are passed over: the value is where it was computed."""
+    of the buffers and as many elements as it or as one rank's part of it (an all-gather's input),
+    else as all ranks' parts (a reduce-scatter's): the value a deleted collective or copy would have
+    put there. Ops that only move data are passed over: the value is where it was computed."""
     live, todo = set(graph.outputs), list(graph.outputs)
     while todo:
         for i in graph[todo.pop()].inputs:
             if i not in live:
                 live.add(i)
                 todo.append(i)
-    wanted = {(size, b.dtype) for b in buffers
-              for size in (math.prod(b.shape), math.prod(b.shape) // world_size, math.prod(b.shape) * world_size)}
-    for node in graph.nodes:
-        if node.id in live or node.loc is None or node.op in _NOT_COMPUTING:
-            continue
-        if (math.prod(node.shape), node.dtype) in wanted:
-            return node
-    return None
+    unread = [n for n in graph.nodes if n.id not in live and n.loc is not None and n.op not in _NOT_COMPUTING]
+
+    def first_of(factors: tuple[Fraction, ...]) -> Node | None:
+        wanted = {(math.prod(b.shape) * f, b.dtype) for b in buffers for f in factors}
+        return next((n for n in unread if (math.prod(n.shape), n.dtype) in wanted), None)
+
+    return first_of((Fraction(1), Fraction(1, world_size))) or first_of((Fraction(world_size),))
 
 
 class CollectiveOperands:
