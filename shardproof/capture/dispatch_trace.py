@@ -166,14 +166,14 @@ _TO_COPY = torch.ops.aten._to_copy.default
 @functools.lru_cache(maxsize=None)
 def _computes(func: Any) -> bool:
     """Ops returning tensors, writing into their arguments or returning nothing (called for their
-    effect: markers, asserts), and messages to other ranks (`send`, and `recv_`, whose schema does
-    not say it writes); not metadata queries (prim.device)."""
+    effect: markers, asserts), and messages to other ranks (`send`, and `recv_` and `alltoall_base_`,
+    whose schemas do not say they write); not metadata queries (prim.device)."""
     schema = func._schema
     writes = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
     return writes or not schema.returns or any("Tensor" in str(r.type) for r in schema.returns) or schema.name in _MESSAGES
 
 
-_MESSAGES = {"c10d::send", "c10d::recv_", "c10d::recv_any_source_"}
+_MESSAGES = {"c10d::send", "c10d::recv_", "c10d::recv_any_source_", "c10d::alltoall_base_"}
 
 
 def record(

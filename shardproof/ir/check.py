@@ -88,9 +88,16 @@ def _without(shape: tuple[int, ...], dim: int) -> tuple[int, ...]:
 
 
 def _collective_shape(node: Node, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """all_reduce keeps the shape; all_gather multiplies its dim by the group size, reduce_scatter divides it."""
+    """all_reduce keeps the shape; all_gather multiplies its dim by the group size, reduce_scatter divides it;
+    all_to_all receives its output splits."""
     if node.op == "all_reduce":
         return shape
+    if node.op == "all_to_all":
+        output_splits, input_splits, group = node.attrs
+        if not shape or len(output_splits) != len(group) or len(input_splits) != len(group) or sum(input_splits) != shape[0]:
+            raise Inconsistent(f"an operand of {sum(input_splits)} rows, one split per rank of the group, for `{node.op}`, "
+                               f"not {list(shape)} split {list(input_splits)}")
+        return (sum(output_splits), *shape[1:])
     dim, size = node.attrs[0], len(node.attrs[-1])
     if not -len(shape) <= dim < len(shape):
         raise Inconsistent(f"a dim of the operand {list(shape)} for `{node.op}`, not {dim}")

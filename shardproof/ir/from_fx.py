@@ -30,6 +30,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from shardproof.errors import UnsupportedOp
 from shardproof.ir import aten_ops
 from shardproof.ir.aliasing import IDENTITY, PART, Step, Views, written_by_collective
+from shardproof.ir.all_to_all import even_splits
 from shardproof.ir.decompose import decomposed_graph, decomposition_of
 from shardproof.ir.graph import Graph, Location
 from shardproof.ir.rank_expr import RankExpr, mentions_rank, rank_origins
@@ -1366,6 +1367,32 @@ def _f_reduce_scatter(lo: Lowerer, x, op: str, group_size: int, group_name) -> i
     return lo.emit("reduce_scatter", (lo.tensor(x),), (0, op, lo.group_ranks(group_name)))
 
 
+def _all_to_all_base(lo: Lowerer, output, x, group, output_splits, input_splits, *args) -> int:
+    """`dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes)` writes what it
+    receives into the output buffer (no split list: equal pieces)."""
+    return exchanged(lo, lo.tensor(x), lo.shape(lo.tensor(output)), output_splits, input_splits, lo.group_ranks(group))
+
+
+def _f_all_to_all(lo: Lowerer, x, output_splits, input_splits, group_name) -> int:
+    value = lo.tensor(x)
+    rows = sum(output_splits) if output_splits else lo.shape(value)[0]
+    return exchanged(lo, value, (rows, *lo.shape(value)[1:]), output_splits, input_splits, lo.group_ranks(group_name))
+
+
+def exchanged(lo: Lowerer, value: int, out_shape: tuple[int, ...], output_splits, input_splits, ranks: tuple[int, ...]) -> int:
+    """An all_to_all of `value`'s rows (ir/all_to_all.py) into `out_shape`, split lists made explicit."""
+    shape = lo.shape(value)
+    output_splits = tuple(output_splits) if output_splits else even_splits(out_shape[0] if out_shape else 0, len(ranks))
+    input_splits = tuple(input_splits) if input_splits else even_splits(shape[0] if shape else 0, len(ranks))
+    if not all(type(n) is int for n in output_splits + input_splits):
+        raise UnsupportedOp("all_to_all_single with split sizes that are no Python ints", 
+                            _at(lo.location(lo.current)))
+    if not shape or tuple(out_shape[1:]) != shape[1:]:
+        raise UnsupportedOp(f"all_to_all_single from a tensor of shape {list(shape)} into one of shape {list(out_shape)} "
+                            "(rows of other sizes)", _at(lo.location(lo.current)))
+    return lo.emit("all_to_all", (value,), (output_splits, input_splits, ranks), tuple(out_shape), lo.dtype(value))
+
+
 def _send(lo: Lowerer, tensors, group, peer: int, tag: int) -> None:
     """`dist.send`/`isend` (and their P2POps in `batch_isend_irecv`): one message per tensor to the
     group's rank `peer`, named by its global rank (relations/messages.py pairs it with its recv)."""
@@ -1498,12 +1525,14 @@ _LOWER: dict[str, Callable[..., Value]] = {
     "c10d._allgather_base_": _all_gather_base,
     "c10d.allgather_into_tensor_coalesced_": None,
     "c10d._reduce_scatter_base_": _reduce_scatter_base,
+    "c10d.alltoall_base_": _all_to_all_base,
     "c10d.send": _send,
     "c10d.recv_": _recv,
     "c10d.recv_any_source_": _recv_any_source,
     "_c10d_functional.all_reduce": _f_all_reduce,
     "_c10d_functional.all_gather_into_tensor": _f_all_gather,
     "_c10d_functional.reduce_scatter_tensor": _f_reduce_scatter,
+    "_c10d_functional.all_to_all_single": _f_all_to_all,
     "_c10d_functional.wait_tensor": _passthrough,
     "_c10d_functional._wrap_tensor_autograd": _passthrough,  # funcol's autograd wrapper: the identity on values
 }

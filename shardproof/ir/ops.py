@@ -112,6 +112,8 @@ _SPECS = [
     OpSpec("all_reduce", "collective", None, "sum, mean or max (attrs[0]) over the group attrs[1]"),
     OpSpec("all_gather", "collective", None, "concatenate every rank's tensor along attrs[0] over group attrs[1]"),
     OpSpec("reduce_scatter", "collective", None, "sum over ranks, this rank keeps chunk rank of dim attrs[0]"),
+    OpSpec("all_to_all", "collective", None, "all_to_all_single: dim 0 cut by input splits attrs[1], piece j to member j of "
+           "group attrs[2]; member p receives piece p of every member's input, output splits attrs[0] (ir/all_to_all.py)"),
     OpSpec("send", "p2p", None, "send the input to global rank attrs[0] with tag attrs[1] over the group attrs[2]; "
            "its value is the tensor sent (relations/messages.py)"),
     OpSpec("recv", "p2p", None, "the tensor global rank attrs[0] sends this rank with tag attrs[1] over the group "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from shardproof.ir.all_to_all import pieces
 from shardproof.ir.graph import Graph, Node
 from shardproof.ir.ops import OPS, run_op
 
@@ -34,7 +35,7 @@ def run_ranks(graphs: list[Graph], leaves: dict[str, torch.Tensor]) -> list[list
         group, members = _ready_group(graphs, cursors, waiting)
         inputs = [values[r][m.inputs[0]] for r, m in zip(group, members)]
         for position, (r, m) in enumerate(zip(group, members)):
-            values[r][m.id] = _collective(m, inputs, position)
+            values[r][m.id] = _collective(m, members, inputs, position)
             cursors[r] += 1
 
 
@@ -88,7 +89,10 @@ def _is_float(name: str) -> bool:
     return name in ("float16", "bfloat16", "float32", "float64")
 
 
-def _collective(node: Node, inputs: list[torch.Tensor], position: int) -> torch.Tensor:
+def _collective(node: Node, members: list[Node], inputs: list[torch.Tensor], position: int) -> torch.Tensor:
+    if node.op == "all_to_all":
+        found = pieces([m.attrs[1] for m in members], position)
+        return torch.cat([inputs[j][start:end] for j, start, end in found])
     if node.op == "all_gather":
         return torch.cat(inputs, node.attrs[0])
     reduce_op = node.attrs[0] if node.op == "all_reduce" else node.attrs[1]

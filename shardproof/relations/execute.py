@@ -3,7 +3,8 @@
 Ranks run in lock-step: each advances to its next collective, then the collective is resolved
 for its whole group at once with its exact meaning (all_reduce = sum of the group's terms,
 all_gather = concatenation in group order, reduce_scatter = this rank's chunk of the sum; a MAX
-reduction is the elementwise max of the group's terms). A recv receives the term its sender sent
+reduction is the elementwise max of the group's terms; all_to_all = the concatenation of the
+pieces every member sends this rank, ir/all_to_all.py). A recv receives the term its sender sent
 (relations/messages.py).
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
+from shardproof.ir.all_to_all import mismatched_splits, pieces
 from shardproof.ir.graph import BOUND_LEAF_PREFIX, Graph, Node
 from shardproof.ir.ops import OPS, waits_for_peers
 from shardproof.relations.layout import box_along
@@ -103,9 +105,11 @@ def resolve_collective(
         members = [(r, _waiting_at(ranks, cursors, r)) for r in group]
         if OPS[node.op].kind == "p2p" or any(n is None or _group_of(n) != group or OPS[n.op].kind == "p2p" for _, n in members):
             continue
-        mismatched = [(r, n) for r, n in members if n.op != node.op or n.shape != node.shape]
+        mismatched = [(r, n) for r, n in members if n.op != node.op or (n.shape != node.shape and n.op != "all_to_all")]
         if mismatched:
             raise _mismatch(first, node, mismatched, _sizes_part(ranks, (first, node), mismatched))
+        if node.op == "all_to_all":
+            _check_splits(members)
         _exchange(rules, ranks, terms, cursors, group)
         return
     stuck = mailbox.waiting_recv(ranks, cursors, pending)
@@ -165,16 +169,43 @@ def _mismatch(first: int, node: Node, others: list[tuple[int, Node | None]],
     )
 
 
+def _check_splits(members: list[tuple[int, Node]]) -> None:
+    """Every member of an all_to_all receives pieces of the sizes sent to it."""
+    nodes = [n for _, n in members]
+    found = mismatched_splits([n.attrs[1] for n in nodes], [n.attrs[0] for n in nodes])
+    if found is None:
+        return
+    (receiver, into), (sender, sent) = members[found[0]], members[found[1]]
+    expects = into.attrs[0][found[1]] if len(into.attrs[0]) > found[1] else "no"
+    sends = sent.attrs[1][found[0]] if len(sent.attrs[1]) > found[0] else "no"
+    raise CollectiveMismatch(
+        f"rank {receiver} calls all_to_all over ranks {list(into.attrs[-1])} expecting {expects} row(s) from rank {sender} "
+        f"(output splits {list(into.attrs[0])}), but rank {sender} sends it {sends} (input splits {list(sent.attrs[1])}): "
+        "a real run fails, hangs or reads the wrong rows. The output splits on rank p must be, in order, what every "
+        "rank's input splits send rank p", [(receiver, into), (sender, sent)])
+
+
 def _exchange(rules: Rules, ranks: list[Graph], terms: list[list[int]], cursors: list[int], group: tuple[int, ...]) -> None:
-    inputs = [terms[r][ranks[r].nodes[cursors[r]].inputs[0]] for r in group]
+    members = [ranks[r].nodes[cursors[r]] for r in group]
+    inputs = [terms[r][node.inputs[0]] for r, node in zip(group, members)]
     combined: dict[tuple, int] = {}  # (op, attrs) -> the group's combined term: built once, not once per member
-    for position, r in enumerate(group):
-        local = ranks[r].nodes[cursors[r]]
-        key = (local.op, local.attrs, local.shape)
-        if key not in combined:
-            combined[key] = _combined(rules, local, inputs)
-        terms[r].append(_share(rules, local, combined[key], position))
+    for position, (r, local) in enumerate(zip(group, members)):
+        if local.op == "all_to_all":
+            terms[r].append(_received(rules, local, members, inputs, position))
+        else:
+            key = (local.op, local.attrs, local.shape)
+            if key not in combined:
+                combined[key] = _combined(rules, local, inputs)
+            terms[r].append(_share(rules, local, combined[key], position))
         cursors[r] += 1
+
+
+def _received(rules: Rules, node: Node, members: list[Node], inputs: list[int], position: int) -> int:
+    """What the member at `position` receives by an all_to_all: the pieces of every member's input
+    sent to it, in group order (a piece of no rows is none)."""
+    parts = [rules.slice(inputs[j], box_along(rules.shape(inputs[j]), 0, start, end))
+             for j, start, end in pieces([m.attrs[1] for m in members], position) if end > start]
+    return rules.cat(parts, 0) if parts else rules.const(("full", 0), node.shape, node.dtype)
 
 
 def _group_of(node: Node) -> tuple[int, ...]:

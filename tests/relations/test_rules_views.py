@@ -433,3 +433,17 @@ def test_size_one_dims_added_to_a_products_rows_and_dropped_again_leave_the_prod
     y = b.view(b.op("matmul", b.view(x, (2, 3, 1, 4)), w), (2, 3, 5))
     b.check(y)
     assert y.term == b.op("matmul", x, w).term
+
+
+@SETTINGS
+@given(st.integers(2, 4), st.integers(2, 4), st.integers(2, 3), st.data())
+def test_view_of_one_block_moved_ahead_is_that_block(tokens, blocks, width, data):
+    """X(tokens, blocks*w) viewed (tokens, blocks, w), the blocks moved ahead, block k taken and its
+    unit dim dropped (Ulysses' switch before an all_to_all) is the column range X[:, k*w:(k+1)*w]."""
+    b = Build()
+    x = b.leaf("x", (tokens, blocks * width))
+    k = data.draw(st.integers(0, blocks - 1))
+    moved = b.permute(b.view(x, (tokens, blocks, width)), (1, 0, 2))
+    y = b.view(b.sl(moved, 0, k, k + 1), (tokens, width))
+    b.check(y)
+    assert y.term == b.sl(x, 1, k * width, (k + 1) * width).term

@@ -39,6 +39,10 @@ class ViewRules:
                 # above may not follow: a rank's slice given a new axis to all-gather along, then
                 # flattened with it
                 return self.view(term.args[0], shape)
+        if term.op == "slice" and self.u[term.args[0]].op == "permute" and _inserted_ones(shape, term.shape) is not None:
+            moved = self._view_sliced_permute(x, shape)
+            if moved is not None:
+                return moved
         if term.op == "slice":
             root, region = term.args[0], term.attrs[0]
         elif term.op == "cat":  # a cat may be a region too: a head range padded with zeros
@@ -287,6 +291,25 @@ class ViewRules:
             return self._restore_ones(x, shape)
         found = self.view(x, shape)
         return None if self.u[found].op == "bcast" else found
+
+    def _view_sliced_permute(self, x: int, shape: tuple[int, ...]) -> int | None:
+        """view(permute(Y, p)[box]), dropping size-1 dims, where Y splits a dim into blocks and the
+        permute moves only dims the box cuts to size 1: the elements of Y's box in their own order,
+        so view(Y[box]), a region of what Y splits (one block of heads of a (tokens, heads, d)
+        tensor moved ahead for an all_to_all, then dropped: Ulysses' switch)."""
+        term = self.u[x]
+        permuted = self.u[term.args[0]]
+        if self.op(permuted.args[0]) != "view":  # blocks of a dim the program split, not dims of their own
+            return None
+        perm, box = permuted.attrs[0], term.attrs[0]
+        inner_box: list[tuple[int, int]] = [(0, 0)] * len(perm)
+        for d, p in enumerate(perm):
+            inner_box[p] = box[d]
+        sizes = box_shape(tuple(inner_box))
+        moved = [p for p in perm if sizes[p] != 1]
+        if moved != sorted(moved):
+            return None
+        return self.view(self.slice(permuted.args[0], tuple(inner_box)), shape)
 
     def _view_permute(self, x: int, shape: tuple[int, ...]) -> int | None:
         """view(permute(Y, p)) as permute(view(permute(Y, r)), q): r makes each merged group of
