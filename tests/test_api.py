@@ -152,9 +152,11 @@ def test_the_pipeline_example_is_proven_under_other_schedules(schedule: str, chu
 @pytest.mark.parametrize(("settings", "world_size"), [
     ({"TIED": True}, 1), ({"TIED": True}, 2), ({"TIED": True}, 4), ({"TIED": True}, 8),
     ({"MAX_STAGES": 2}, 4), ({"MAX_STAGES": 2, "TIED": True}, 4),
+    ({"SCHEDULE": "interleaved", "CHUNKS": 2}, 1), ({"SCHEDULE": "interleaved", "CHUNKS": 2}, 2),
+    ({"SCHEDULE": "interleaved", "CHUNKS": 2, "MAX_STAGES": 2}, 4),
 ])
-def test_the_llama_pipeline_is_proven_with_tied_embeddings_and_on_2d_layouts(settings: dict, world_size: int) -> None:
-    """lm_head tied to the embedding (the first and last stage all-reduce its gradient), and
-    two pipelines of 2 stages."""
+def test_the_llama_pipeline_is_proven_tied_interleaved_and_on_2d_layouts(settings: dict, world_size: int) -> None:
+    """lm_head tied to the embedding (the first and last stage all-reduce its gradient), two
+    pipelines of 2 stages, and interleaved 1F1B over two virtual stages per rank."""
     with _variant(EXAMPLES / "llama_pp.py", **settings) as case:
         _proven_with_oracle(case, world_size)
