@@ -109,6 +109,15 @@ def test_ulysses_case_is_proven_at_eight_ranks() -> None:
     assert numbers.agree and report.verdict == "equivalent", report.diagnosis
 
 
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)])
+def test_the_causal_ring_attention_example_is_proven_in_training(world_size: int) -> None:
+    """examples/llama_cp.py (forward at 1, 2, 4, 8 below): the ring's backward, dK and dV sent back round the ring."""
+    path = EXAMPLES / "llama_cp.py"
+    report = verify(path, world_size=world_size, train=True)
+    assert run_numeric(load_case(path), world_size, mode="train").agree
+    assert report.verdict == "equivalent", report.diagnosis
+
+
 def _examples() -> list:
     return _params(sorted(p for p in EXAMPLES.glob("*.py") if "def distributed(" in p.read_text()), [1, 2, 4, 8], 4)
 

@@ -43,6 +43,14 @@ def rebuild(r: Rules, t: int, replace: dict[int, int], known: dict[int, Interval
     return done[t]
 
 
+def linear_bounds(coefs: tuple[Fraction, ...], bounds: list[Interval | None]) -> Interval | None:
+    """Bounds of sum_i c_i x_i from the bounds of each x_i."""
+    if None in bounds:
+        return None
+    return (sum((min(c * lo, c * hi) for c, (lo, hi) in zip(coefs, bounds)), Fraction(0)),
+            sum((max(c * lo, c * hi) for c, (lo, hi) in zip(coefs, bounds)), Fraction(0)))
+
+
 def interval(r: Rules, t: int, known: dict[int, Interval]) -> Interval | None:
     """Bounds of the values of an integer or float term, from the ranges in `known` and constants."""
     if t in known:
@@ -54,13 +62,7 @@ def interval(r: Rules, t: int, known: dict[int, Interval]) -> Interval | None:
     if term.op in ("bcast", "view", "slice", "permute", "repeat"):
         return interval(r, term.args[0], known)
     if term.op == "lin":
-        lo = hi = Fraction(0)
-        for a, c in zip(term.args, term.attrs[0]):
-            bounds = interval(r, a, known)
-            if bounds is None:
-                return None
-            lo, hi = lo + min(c * bounds[0], c * bounds[1]), hi + max(c * bounds[0], c * bounds[1])
-        return lo, hi
+        return linear_bounds(term.attrs[0], [interval(r, a, known) for a in term.args])
     if term.op == "argmax":  # a position along the reduced dim
         return Fraction(0), Fraction(r.shape(term.args[0])[term.attrs[0][0]] - 1)
     if term.op == "arg_piece":  # a position in [lo, hi)

@@ -33,9 +33,9 @@ def _block(b: Build, q: V, k: V, v: V) -> tuple[V, V]:
 
 def _merge(b: Build, out: V, lse: V, block_out: V, block_lse: V) -> tuple[V, V]:
     """The ring step: the new log-sum-exp of the two, each output weighted by exp(its lse - new)."""
-    stacked = b.cat([b.view(lse, (1, HEADS, QUERIES)), b.view(block_lse, (1, HEADS, QUERIES))], 0)
+    stacked = b.cat([b.view(lse, (1, *lse.shape)), b.view(block_lse, (1, *lse.shape))], 0)
     new = _logsumexp(b, stacked, 0)
-    weight = lambda l: b.expand(b.view(b.op("exp", b.sub(l, new)), (HEADS, QUERIES, 1)), out.shape)  # noqa: E731
+    weight = lambda l: b.expand(b.view(b.op("exp", b.sub(l, new)), (*lse.shape, 1)), out.shape)  # noqa: E731
     return b.add(b.op("mul", weight(lse), out), b.op("mul", weight(block_lse), block_out)), new
 
 

@@ -481,3 +481,14 @@ def test_a_parameter_s_chunks_of_a_flat_buffer_s_rows_are_the_parameter(ranks):
     last = b.sl(b.view(b.cat(parts, 0), (ranks * row,)), 0, row * (ranks - 1), row * (ranks - 1) + 6)
     b.check(last)
     assert last.term == b.sl(flat_w, 0, 6 * (ranks - 1), 6 * ranks).term
+
+
+def test_a_transposed_product_is_the_product_of_the_transposes() -> None:
+    """(A @ B)^T = B^T @ A^T: autograd's gradient of a right operand, (Q^T @ dS)^T, is flash
+    attention's dS^T @ Q."""
+    b = Build()
+    q, ds = b.leaf("q", (2, 5, 3)), b.leaf("ds", (2, 5, 4))
+    autograd = b.permute(b.op("matmul", b.permute(q, (0, 2, 1)), ds), (0, 2, 1))
+    flash = b.op("matmul", b.permute(ds, (0, 2, 1)), q)
+    b.check(autograd)
+    assert autograd.term == flash.term

@@ -11,6 +11,7 @@ from fractions import Fraction
 from typing import Any, Callable
 
 from shardproof.relations.layout import box_along
+from shardproof.relations.rules import masked_keys
 from shardproof.relations.rules.online_softmax import merged
 from shardproof.relations.rules.regions import cat_bounds
 from shardproof.relations.rules.values import FLOAT_DTYPES, is_finite_number
@@ -106,9 +107,12 @@ class LinearRules:
 
     def piece(self, full: int, axis: Any, lo: int, hi: int, size: int) -> int:
         """The part of the sum `full` whose summation index along `axis` lies in [lo, hi)."""
-        if (lo, hi) == (0, size):
+        vanishing = masked_keys.contraction_piece(self, full, axis, lo, hi, size)
+        if (lo, hi) == (0, size) or vanishing == "whole":
             return full
         term = self.u[full]
+        if vanishing == "zero":
+            return self.literal("full", (), (0.0,), term.shape, term.dtype)
         return self.literal("piece", (full,), (axis, lo, hi, size), term.shape, term.dtype)
 
     def max_piece(self, full: int, axis: Any, lo: int, hi: int, size: int) -> int:

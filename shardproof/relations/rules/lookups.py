@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Callable
 from shardproof.relations.assume import rebuild
 from shardproof.relations.layout import Box
 from shardproof.relations.rules.elementwise import elementwise
+from shardproof.relations.rules.flash_backward import vanishes
 from shardproof.relations.rules.masks import assuming, outside_range
 from shardproof.relations.rules.topk import pick_of_top
 
@@ -39,6 +40,8 @@ def where(r: Rules, op: str, args, attrs, shape, dtype) -> int:
     when_true, when_false = assuming(r, when_true, cond, True), assuming(r, when_false, cond, False)
     if when_true == when_false:
         return when_true
+    if r.full_value(when_true) == 0 and vanishes(r, when_false, cond):
+        return when_false  # masked_fill's backward of probabilities the mask already zeroes
     chosen = r.full_value(cond)
     if chosen is not None:
         return when_true if chosen else when_false

@@ -21,6 +21,8 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
+from shardproof.relations.rules import masked_keys
+
 if TYPE_CHECKING:
     from shardproof.relations.rules.core import Rules
 
@@ -101,9 +103,8 @@ def _lse_of(r: Rules, t: int, dim: int) -> tuple[int, int] | None:
     """(scores, their reduced dim) of a part of a stack of LSEs: LSE(s, e) with a size-1 `dim` added
     (a view, or in normal form a broadcast)."""
     term = r.u[t]
-    others = tuple(d for d in range(len(term.shape)) if d != dim)
-    if term.shape[dim] != 1 or not (term.op == "view" or term.op == "bcast" and term.attrs[0] == others):
-        return None
+    if term.shape[dim] != 1 or not (term.op == "view" or term.op == "bcast" and len(term.attrs[0]) == len(term.shape) - 1):
+        return None  # (a size-1 dim added beside another one, as a batch of one, may be either)
     if r.shape(term.args[0]) != term.shape[:dim] + term.shape[dim + 1 :]:
         return None
     return _as_lse(r, term.args[0])
@@ -118,7 +119,7 @@ def _key_ordered(r: Rules, parts: list[int], dim: int) -> list[int]:
     """The blocks (blocks joined earlier taken apart) in key order along `dim` where they are
     regions of one tensor."""
     parts = [a for p in parts for a in (r.u[p].args if r.op(p) == "cat" and r.u[p].attrs[0] == dim else (p,))]
-    regions = [r.as_region(p) for p in parts]
+    regions = masked_keys.on_masked_root(r, parts, [r.as_region(p) for p in parts])
     if len({root for root, _ in regions}) != 1:
         return parts
     return [p for _, p in sorted(zip((box[dim] for _, box in regions), parts))]
@@ -167,8 +168,8 @@ def merged(r: Rules, items: list[tuple[int, Fraction]]) -> int | None:
         if found is None:
             return None
         scores, values, total = found
-        if whole not in (None, total):
-            return None
+        if whole not in (None, total) or masked_keys.hidden(r, *r.as_region(scores)):
+            return None  # (a block the mask hides entirely: softmax over no key, NaN, not nothing)
         whole = total
         blocks.update(_apart(r, scores, values))
     joined, dim = whole

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Callable
 from shardproof.ir.aten_ops import leading_dims, output_shape, reduced_dims
 from shardproof.relations.layout import reshape_groups
 from shardproof.relations.rules.elementwise import elementwise
+from shardproof.relations.rules import flash_backward, masked_keys
 from shardproof.relations.rules.linear import LinearRules
 from shardproof.relations.rules.lookups import unbroadcast
 from shardproof.relations.rules.one_hot import is_one_hot
@@ -39,6 +40,10 @@ def reduce(r: Rules, op: str, args, attrs, shape, dtype) -> int:
         inner_shape = tuple(s for d, s in enumerate(r.shape(x)) if d not in dims)
         return r.view(r.build(op, (x,), (dims, False), inner_shape, dtype), shape)
     term = r.u[x]
+    if op == "sum" and dims == (len(term.shape) - 1,):
+        moved = flash_backward.row_dot(r, x, shape, dtype)
+        if moved is not None:
+            return moved
     filled = r.full_value(x)
     if op in _SPLIT_REDUCTIONS and is_finite_number(filled) and dtype in FLOAT_DTYPES:
         # a constant's sum is the value times the count (the sum of the smoothing term of a label-
@@ -192,6 +197,12 @@ def softmax(r: Rules, op: str, args, attrs, shape, dtype) -> int:
     term = r.u[x]
     if term.op == "cat" and term.attrs[0] != dim:
         return r.cat([r.build(op, (p,), attrs, r.shape(p), dtype) for p in term.args], term.attrs[0])
+    visible = masked_keys.visible_keys(r, x, dim)
+    if visible is not None:  # the keys left by a mask hiding the rest of the row: the row's softmax there
+        root, box = visible
+        rows = r.slice(root, tuple((0, r.shape(root)[dim]) if d == dim else b for d, b in enumerate(box)))
+        keys = tuple(box[d] if d == dim else (0, n) for d, n in enumerate(shape))
+        return r.slice(r.build(op, (rows,), attrs, r.shape(rows), dtype), keys)
     return r.literal(op, (x,), attrs, shape, dtype)
 
 
@@ -235,4 +246,5 @@ def exp(r: Rules, args, attrs, shape, dtype) -> int:
                 rest = r.lin([(a, k) for j, (a, k) in enumerate(zip(term.args, term.attrs[0])) if j != i])
                 power = r.build("exp", (rest,), attrs, shape, dtype)
                 return r.build("div" if c == -1 else "mul", (power, base), (), shape, dtype)
-    return elementwise(r, "exp", args, attrs, shape, dtype)
+    probs = flash_backward.probabilities(r, args[0], shape, dtype)
+    return probs if probs is not None else elementwise(r, "exp", args, attrs, shape, dtype)

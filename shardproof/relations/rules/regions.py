@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from shardproof.ir.ops import OPS
 from shardproof.relations.layout import Box, box_shape, compose, full_box, source_box
-from shardproof.relations.rules import aranges
+from shardproof.relations.rules import aranges, masked_keys
 from shardproof.relations.rules.values import PARTS
 
 if TYPE_CHECKING:
@@ -126,8 +126,7 @@ class RegionRules:
         positions = aranges.joined(self, a, b)
         if positions is not None:
             return positions
-        ra, ba = self.as_region(a)
-        rb, bb = self.as_region(b)
+        (ra, ba), (rb, bb) = masked_keys.on_masked_root(self, [a, b], [self.as_region(a), self.as_region(b)])
         if ra != rb:
             return None
         same_elsewhere = all(ba[d] == bb[d] for d in range(len(ba)) if d != dim)
@@ -142,30 +141,36 @@ class RegionRules:
         if term.op == "cat":
             return self._cat_region(t)
         hint = self._region_hint(t)
-        if hint is not None:
-            whole = self.unslice(t, *hint)
-            if whole is not None:
-                return whole, hint[0]
-            for relative in self._hints_in_reference_boxes(t):
-                whole = self.unslice(t, *relative)
-                if whole is not None:
-                    return whole, relative[0]
+        whole = None if hint is None else self.unslice(t, *hint)
+        if whole is not None and (self.reference_size is None or self.in_reference(whole)):
+            return whole, hint[0]
+        for relative in self._hints_in_reference_boxes(t):
+            inside = self.unslice(t, *relative)  # a region of what the reference built first
+            if inside is not None and (whole is None or self.in_reference(inside)):
+                return inside, relative[0]
+        if whole is not None:
+            return whole, hint[0]
         return t, full_box(self.shape(t))
 
     def _hints_in_reference_boxes(self, t: int) -> list[tuple[Box, tuple[int, ...]]]:
         """(box, shape) of t's first sliced term inside each region of its root the reference
         sliced out: a rank's rotate-half lin(X[h, :d], -X[h, d:]) is heads h of the reference's
-        lin(X[:, :d], -X[:, d:]), though no one box of X holds both halves."""
+        lin(X[:, :d], -X[:, d:]), though no one box of X holds both halves; a rank's rows of kv
+        heads repeated for their query heads (GQA), rows of the reference's repeat of those heads."""
         term = self.u[t]
-        first = next((a for a in term.args if self.op(a) == "slice"), None) if term.op == "lin" else None
+        parts = term.args if term.op == "lin" else (t,) if term.op == "repeat" else ()
+        repeats = [self.u[a].attrs if self.op(a) == "repeat" else None for a in parts]
+        unrepeated = [self.u[a].args[0] if how else a for a, how in zip(parts, repeats)]
+        first = next((i for i, a in enumerate(unrepeated) if self.op(a) == "slice"), None)
         if first is None:
             return []
-        root, region = self.u[first].args[0], self.u[first].attrs[0]
-        return [
+        root, region = self.u[unrepeated[first]].args[0], self.u[unrepeated[first]].attrs[0]
+        hints = [
             (tuple((lo - rl, hi - rl) for (rl, _), (lo, hi) in zip(ref_box, region)), box_shape(ref_box))
             for ref_box in sorted(self.reference_boxes.get(root, ()))
             if ref_box != region and all(rl <= lo and hi <= rh for (rl, rh), (lo, hi) in zip(ref_box, region))
         ]
+        return hints if repeats[first] is None else [_repeated(hint, *repeats[first]) for hint in hints]
 
     def _region_hint(self, t: int) -> tuple[Box, tuple[int, ...]] | None:
         """(box, global shape) of the first slice at the top of `t`, through lin, piece, bcast."""
@@ -260,6 +265,11 @@ class RegionRules:
             return None if None in wider else self.build(term.op, tuple(wider), term.attrs, tuple(global_shape), term.dtype)
         if term.op == "repeat":
             return self._unslice_repeat(t, box, tuple(global_shape))
+        if term.op in ("triu", "tril"):
+            # triu(X, k)[box] = triu(X[box], k - c0 + r0): a causal mask's block on the diagonal
+            inner = self.unslice(term.args[0], box, global_shape)
+            diagonal = term.attrs[0] + box[-1][0] - box[-2][0]
+            return None if inner is None else self.build(term.op, (inner,), (diagonal,), tuple(global_shape), term.dtype)
         if term.op == "cat":
             dim = term.attrs[0]
             if box[dim] != (0, global_shape[dim]) or global_shape[dim] != term.shape[dim]:
@@ -432,6 +442,12 @@ class RegionRules:
         shape = tuple(term.shape[p] for p in perm)
         if term.op == "permute":
             return self.permute(term.args[0], tuple(term.attrs[0][p] for p in perm))
+        n = len(perm)
+        if term.op == "matmul" and n > 2 and perm == tuple(range(n - 2)) + (n - 1, n - 2) and all(len(self.shape(a)) == n for a in term.args):
+            # (A @ B)^T = B^T @ A^T: a product transposed (autograd's gradient of a right operand)
+            # is the product of the transposes (flash attention's dK = dS^T @ Q)
+            a, b = (self.permute(x, perm) for x in term.args)
+            return self.build("matmul", (b, a), (), shape, term.dtype)
         if term.op in PARTS:
             return self._map_parts(x, lambda t: self.permute(t, perm), shape)
         if term.op == "full":
@@ -453,6 +469,13 @@ class RegionRules:
         if moved == sorted(moved):  # only size-1 dims move: the elements keep their order, a reshape
             return self.view(x, shape)
         return self.literal("permute", (x,), (tuple(perm),), shape, term.dtype)
+
+
+def _repeated(hint: tuple[Box, tuple[int, ...]], dim: int, times: int) -> tuple[Box, tuple[int, ...]]:
+    """A region hint (box, global shape) of x as one of x repeated `times` times along `dim`."""
+    box, shape = hint
+    return (tuple((lo * times, hi * times) if d == dim else (lo, hi) for d, (lo, hi) in enumerate(box)),
+            tuple(n * times if d == dim else n for d, n in enumerate(shape)))
 
 
 def cat_bounds(r: Rules, t: int) -> list[tuple[int, int]]:
