@@ -194,10 +194,12 @@ class ViewRules:
         if plain is None:
             return None
         whole = self.view(root, plain[0])
-        if self.reference_size is not None and not self.in_reference(whole) and _drops_selected_row(self.shape(root), region, shape):
+        if (self.reference_size is not None and self.op(whole) == "view" and not self.in_reference(whole)
+                and _drops_selected_row(self.shape(root), region, shape)):
             # a rank's one head merged as the outer factor of the dims after it is a column range of
             # a flattening the reference never makes; held apart, it meets the reference's own
-            # merge of those heads with another dim (Megatron's (s, b, heads, d) -> (s, b * heads, d))
+            # merge of those heads with another dim (Megatron's (s, b, heads, d) -> (s, b * heads, d)).
+            # A reshape that undoes one (a flat buffer's row read back in its tensor's shape) makes none
             held = self._view_inner_slice(root, region, shape)
             if held is not None:
                 return held
