@@ -115,13 +115,14 @@ def test_data_parallel_loss_is_proven_as_a_mean_over_ranks(world_size: int, chec
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_summed_data_parallel_gradients_are_a_wrong_scale_by_the_world_size(world_size: int, checked_step) -> None:
+def test_summed_data_parallel_gradients_are_a_wrong_reduce_op(world_size: int, checked_step) -> None:
     """Each rank's gradient is its batch shard's mean; summing them over ranks (not averaging)
-    scales every gradient by the number of ranks."""
+    scales every gradient by the number of ranks: the all-reduce's op is named, and AVG as the fix."""
     report = checked_step(_data_parallel(average=False), world_size, "train")
     assert report.verdict == "discrepancy"
     assert report.diagnosis.startswith("gradient of `")
-    assert f"wrong scale (x{world_size})" in report.diagnosis
+    assert f"wrong reduce op (x{world_size})" in report.diagnosis
+    assert report.fix.startswith("reduce with ReduceOp.AVG, not ReduceOp.SUM")
     assert report.claims and all(claim.startswith("gradient of `") for claim in report.claims)
 
 
