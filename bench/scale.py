@@ -22,7 +22,7 @@ from verify_llama import EXAMPLES, Row, fmt, int_list, render, run_configuration
 PRESET = "llama3.1-405b"
 CASE = EXAMPLES / "llama_tp.py"
 HEADERS = [
-    "sweep", "ws", "layers", "verdict", "capture s", "proof s", "total s", "peak MiB", "memo hits",
+    "sweep", "ws", "layers", "verdict", "capture s", "proof s", "total s", "cpu s", "peak MiB", "memo hits",
     "no-memo s", "no-memo / memo",
 ]  # fmt: skip
 TARGETS = [  # (what, numerator (ws, layers), denominator, target)
@@ -42,7 +42,7 @@ class Measured:
         m = self.memo
         return [
             self.sweep, str(m.world_size), str(m.layers), m.verdict,
-            fmt(m.capture, ".2f"), fmt(m.proof, ".2f"), fmt(m.total, ".2f"), fmt(m.peak_mib, ".0f"),
+            fmt(m.capture, ".2f"), fmt(m.proof, ".2f"), fmt(m.total, ".2f"), fmt(m.cpu, ".2f"), fmt(m.peak_mib, ".0f"),
             hit_rate(m), _baseline_seconds(self), speedup(self),
         ]  # fmt: skip
 

@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import resource
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ class Row:
     capture: float | None = None
     proof: float | None = None
     total: float | None = None
+    cpu: float | None = None  # the child's CPU seconds for the whole verify (wall time varies with load)
     peak_mib: float | None = None
     terms: int | None = None
     reference_ops: int | None = None
@@ -78,12 +80,15 @@ def measure(
         case.use_preset(preset)
     config = case.module.CONFIG
     case.module.CONFIG = dataclasses.replace(config, n_layers=layers, batch=batch or config.batch)
+    started = time.process_time()
     report = verify(case, world_size=world_size, train=mode != "forward", memo=memo, backend=backend)
+    cpu = time.process_time() - started
     return {
         "verdict": report.verdict,
         "capture": report.capture_seconds,
         "proof": report.seconds - report.capture_seconds,
         "total": report.seconds,
+        "cpu": cpu,
         "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # Linux: KiB
         "terms": report.terms,
         "reference_ops": report.reference_ops,

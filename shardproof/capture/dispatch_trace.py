@@ -23,7 +23,12 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode_temporarily
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode,
+    _pop_mode_temporarily,
+    autograd_would_have_decomposed,
+)
 from torch.utils._pytree import tree_flatten
 
 from shardproof.capture.hops import is_higher_order, through_dense
@@ -54,14 +59,13 @@ _PLAIN = (torch.Tensor, FakeTensor, torch.nn.Parameter)
 
 class Recorder(TorchDispatchMode):
     def __init__(
-        self, graph: fx.Graph, root: torch.nn.Module, entry: FrameType | None, decompositions: Decompositions, part: bool
+        self, graph: fx.Graph, root: torch.nn.Module, entry: FrameType | None, decompositions: Decompositions
     ) -> None:
         super().__init__()
         self.decompositions = decompositions
         self.graph = graph
         self.root = root
         self.entry = entry  # frames from here outwards are not the traced code's (None: all are)
-        self.part = part  # see `record`
         self.nodes: dict[int, tuple[torch.Tensor, fx.Node]] = {}  # id -> (tensor kept alive, its node)
         self.constants = 0
         self.created: list[fx.Node] = []  # op nodes in the order recorded (see capture/symbolic_rank)
@@ -109,6 +113,11 @@ class Recorder(TorchDispatchMode):
         if decomposed is not None:
             with self:  # the mode is off inside its own handler: record the smaller ops
                 return decomposed(*args, **kwargs)
+        if _composite(func) and autograd_would_have_decomposed(func, tree_flatten((args, kwargs))[0]):
+            with self:  # as make_fx: an op autograd would have broken up, called below it (a backward formula's view_as)
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
         if not _computes(func):
             return func(*args, **kwargs)
         node = self.graph.call_function(func, self.nodes_in(args), self.nodes_in(kwargs))
@@ -118,8 +127,7 @@ class Recorder(TorchDispatchMode):
         where = self.where()
         if where:
             node.meta["stack_trace"] = where
-        if self.part:
-            tag_autograd_origin(node, sys._getframe(1))
+        tag_autograd_origin(node, sys._getframe(1))  # a backward formula is located at its forward op
         self.bind_all(out, node)
         return out
 
@@ -164,6 +172,19 @@ _TO_COPY = torch.ops.aten._to_copy.default
 
 
 @functools.lru_cache(maxsize=None)
+def _composite(func: Any) -> bool:
+    """An op with a CompositeImplicitAutograd kernel (not a metadata query, as make_fx leaves those;
+    nor a TorchScript prim, which the dispatcher does not know)."""
+    try:
+        return func not in _METADATA and torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
+    except RuntimeError:
+        return False
+
+
+_METADATA = (torch.ops.aten.size.default, torch.ops.aten.stride.default, torch.ops.aten.storage_offset.default)
+
+
+@functools.lru_cache(maxsize=None)
 def _computes(func: Any) -> bool:
     """Ops returning tensors, writing into their arguments or returning nothing (called for their
     effect: markers, asserts), and messages to other ranks (`send`, and `recv_` and `alltoall_base_`,
@@ -186,8 +207,8 @@ def record(
 ) -> tuple[Traced, list[torch.Tensor]]:
     """Run `fn(*inputs)` (`inputs` fake), recording its ops (`decompositions` broken into smaller
     ones, as make_fx's table does): (graph, its outputs as fake tensors). A `part` of a larger
-    program (a module call) is located by the frames of its caller too, and its backward formulas
-    (it may differentiate) are tagged as make_fx's under `autograd_origins` are.
+    program (a module call) is located by the frames of its caller too. Backward formulas (`fn`
+    may differentiate) are tagged as make_fx's under `autograd_origins` are.
 
     It runs on meta tensors, outside fake mode, several times faster (unless not `on_meta`: code
     that must see that it is traced, as functional collectives must to return plain tensors);
@@ -226,7 +247,7 @@ def _record(
     fn: Callable[..., list[torch.Tensor]], inputs: list[torch.Tensor], decompositions: Decompositions, part: bool
 ) -> tuple[Traced, list[torch.Tensor]]:
     graph, root = fx.Graph(), torch.nn.Module()
-    recorder = Recorder(graph, root, None if part else sys._getframe(), decompositions, part)
+    recorder = Recorder(graph, root, None if part else sys._getframe(), decompositions)
     for i, tensor in enumerate(inputs):
         placeholder = graph.placeholder(f"arg{i}")
         placeholder.meta["val"] = tensor
@@ -236,6 +257,17 @@ def _record(
         flat, _ = tree_flatten(outputs)
         graph.output([recorder.node_of(t) for t in flat])
     return Traced(graph, root), flat
+
+
+@contextlib.contextmanager
+def unrecorded() -> Iterator[None]:
+    """Code run here is not part of the light tracer's recording under way, if any: a module
+    call's graphs recorded apart while the program calling it is recorded (see partition/vjp)."""
+    if not isinstance(_get_current_dispatch_mode(), Recorder):
+        yield
+        return
+    with _pop_mode_temporarily():
+        yield
 
 
 @contextlib.contextmanager

@@ -3,8 +3,9 @@
 The rank enters a program as the `rank` argument of the case's functions and as a process group's
 `.rank()` (`dist.get_rank()` asks the default group); inside the trace both give the symbol. Where
 it reaches torch, a few calls keep it symbolic in the recorded op: slicing (and `narrow`) at a
-symbolic offset (the loader's `w[rank * n : (rank + 1) * n]`), and elementwise ops against it as a
-scalar (a vocab-parallel embedding's `ids < vocab_start`). Their guards keep the result's shape the
+symbolic offset (the loader's `w[rank * n : (rank + 1) * n]`), picking one of a tensor's equal
+pieces (`grad.chunk(world_size)[rank]`, a slice too), and elementwise ops against it as a scalar
+(a vocab-parallel embedding's `ids < vocab_start`). Their guards keep the result's shape the
 same at every rank the trace is valid for (offsets in range, a constant length). Any other use
 takes the value at the rank traced and guards it, so the trace holds only where it is the same.
 """
@@ -21,8 +22,10 @@ import torch.fx as fx
 import torch.distributed.tensor._utils as dtensor_utils
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
-from torch.overrides import TorchFunctionMode
+from torch.autograd.function import BackwardCFunction
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch.utils._pytree import tree_flatten
 
 from shardproof.capture.dispatch_trace import Recorder
 from shardproof.capture.locations import current_location
@@ -74,7 +77,9 @@ def symbolic_rank(at: int, world_size: int) -> Iterator[tuple[RankExpr, set[Guar
     narrow, tensor_narrow = torch.narrow, torch.Tensor.narrow
     mesh_init, split = DeviceMesh.__init__, Shard._select_split_tensor
     shard_offsets = dtensor_utils._compute_local_shape_and_global_offset
-    with recording() as guards, _RankArguments():
+    backward = BackwardCFunction.apply
+    with recording() as guards, _RankArguments() as arguments:
+        BackwardCFunction.apply = _under(arguments, backward)
         _PROCESS_GROUP.rank = rank_in
         rank_expr.tensor_operation, rank_expr.current_location = _tensor_operation, current_location
         torch.narrow = torch.Tensor.narrow = _narrowing(narrow)
@@ -90,6 +95,7 @@ def symbolic_rank(at: int, world_size: int) -> Iterator[tuple[RankExpr, set[Guar
             torch.narrow, torch.Tensor.narrow = narrow, tensor_narrow
             DeviceMesh.__init__, Shard._select_split_tensor = mesh_init, split
             dtensor_utils._compute_local_shape_and_global_offset = shard_offsets
+            BackwardCFunction.apply = backward
             _world = None
 
 
@@ -198,8 +204,60 @@ class _RankArguments(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if not _mentions((args, kwargs)):
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            return _Pieces.of(args[0], out) if func in _SPLITTING else out
         return _call(func, args, kwargs)
+
+
+_SPLITTING = frozenset(getattr(owner, name) for owner in (torch.Tensor, torch) for name in ("chunk", "split"))
+
+
+class _Pieces(tuple):
+    """A tensor's pieces of one size along one dim, from `chunk` or `split` (each the next slice
+    along it): the piece at a symbolic index is a slice at a symbolic offset, not the piece at the
+    rank traced (a tuple's index would be taken as an int: guarded)."""
+
+    whole: torch.Tensor
+    dim: int
+
+    @staticmethod
+    def of(whole: Any, pieces: Any) -> Any:
+        """`pieces` as _Pieces where they are equal consecutive slices of `whole` along one dim."""
+        if type(pieces) is not tuple or not pieces or not isinstance(whole, torch.Tensor):
+            return pieces
+        first = pieces[0]
+        dims = [d for d in range(whole.dim()) if first.dim() == whole.dim() and first.shape[d] != whole.shape[d]]
+        if len(dims) != 1:
+            return pieces
+        dim, size = dims[0], first.shape[dims[0]]
+        step = size * whole.stride(dim)
+        if not all(p.shape == first.shape and p.storage_offset() == whole.storage_offset() + i * step
+                   for i, p in enumerate(pieces)):
+            return pieces
+        found = _Pieces(pieces)
+        found.whole, found.dim = whole, dim
+        return found
+
+    def __getitem__(self, index: Any) -> Any:
+        if not isinstance(index, RankExpr):
+            return super().__getitem__(index)
+        size = super().__getitem__(0).shape[self.dim]
+        start = index * size
+        return self.whole[(slice(None),) * self.dim + (slice(start, start + size),)]
+
+
+def _under(mode: TorchFunctionMode, apply: Any) -> Any:
+    """A custom autograd Function's backward run under `mode`: torch leaves a mode while it runs
+    the function it was called for, here `torch.autograd.grad`, whose engine runs the backward
+    (Megatron's gather keeps `grad.chunk(world_size)[rank]`)."""
+
+    def apply_under(function: Any, *args: Any) -> Any:
+        if mode in _get_current_function_mode_stack():
+            return apply(function, *args)
+        with mode:
+            return apply(function, *args)
+
+    return apply_under
 
 
 def _tensor_operation(method: str, other: Any, expr: RankExpr) -> Any:
@@ -220,7 +278,25 @@ def _call(func: Any, args: tuple, kwargs: dict) -> Any:
     out = func(*_plain(args), **_plain(kwargs))
     if not _substituted(recorder.created[before:], bounds):
         _pinned((args, kwargs))
+    else:
+        _pinned_where_differentiated(out)
     return out
+
+
+def _pinned_where_differentiated(out: Any) -> None:
+    """A symbolic op's backward formula (autograd's, in C++) takes the op's offsets as the ints of
+    the rank traced: where it runs, the trace holds at that rank alone (guarded when it runs; a
+    loader's slices of parameters it then detaches keep their symbols). A write in place into the
+    op's output, which autograd would differentiate by that view's offsets too, is pinned where
+    it is lowered (ir/from_fx writes it back)."""
+    for tensor in tree_flatten(out)[0]:
+        if isinstance(tensor, torch.Tensor) and tensor.grad_fn is not None:
+            tensor.grad_fn.register_prehook(_pin_while_traced)
+
+
+def _pin_while_traced(*_: Any) -> None:
+    if _world is not None:
+        _pin(_world[0])
 
 
 def _symbolic_bounds(func: Any, args: tuple, kwargs: dict) -> list[_Bound] | None:

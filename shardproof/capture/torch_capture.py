@@ -62,8 +62,8 @@ def capture(
     A rank's trace also takes the reference outputs its program is bound to (training mode: the
     reference gradients) as leaves named `reference-output:<index>`. With `memo`, a module call
     interchangeable with an earlier one is not traced again but becomes a `call` of the earlier
-    one's graph (see shardproof.partition.module_calls). A forward program is traced for many ranks
-    at once where it can be (`_RankClasses`). `placement`, given the seconds the first rank traced
+    one's graph (see shardproof.partition.module_calls). A program is traced for many ranks at
+    once where it can be (`_RankClasses`). `placement`, given the seconds the first rank traced
     on its own took, may return a function tracing the ranks no class covers elsewhere (a worker
     pool, see shardproof.partition.backends), yielding their graphs in rank order."""
     start = time.perf_counter()
@@ -73,14 +73,15 @@ def capture(
         ranks: list[tuple[Graph, Trained]] = []
         claimed = ranks.append
 
-        classes = _RankClasses(session, memo)
+        classes = _RankClasses(session, memo, bound)
         elsewhere: dict[int, Graph] = {}  # graphs of ranks traced by workers
         asked = bool(session.program.bound)  # workers trace forward programs only
         for rank in range(world_size):
             progress(f"tracing rank {rank}/{world_size}")
-            graph = elsewhere.pop(rank, None) or classes.graph(rank)
-            if graph is not None:  # workers trace forward programs only: no parameter claims
-                claimed((graph, Trained()))
+            graph = elsewhere.pop(rank, None)
+            found = (graph, Trained()) if graph is not None else classes.graph(rank)  # workers: forward only
+            if found is not None:
+                claimed(found)
             else:
                 traced = time.perf_counter()
                 claimed(_trace_rank(session, rank, bound, memo))
@@ -131,7 +132,7 @@ def _session(case: Case, world_size: int, mode: str) -> Iterator[_Session]:
             torch._dynamo.config.patch(error_on_nested_fx_trace=False), _attention_as_math(), \
             FakeTensorMode(allow_non_fake_inputs=True):
         with _process_group(0, 1):  # the reference is one device: rank 0 of a world of one
-            ref_model, ref_state, on_meta = _reference(case, mode)
+            ref_model, ref_state, on_meta = _reference(case)
             ref_inputs = _build("inputs()", case.inputs)
         if not isinstance(ref_inputs, (tuple, list)):
             raise CaseError(f"inputs() returned {_what(ref_inputs)}; it must return a tuple of tensors "
@@ -161,12 +162,12 @@ def _fake_tensor_errors_unlogged() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def _reference(case: Case, mode: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor], bool]:
-    """The reference model and its state as fake tensors: the leaves of every graph. A forward
-    program's model is built on meta tensors where its state is plain, and the leaves are fake
-    tensors of the same metadata and aliasing (half the cost of fake parameters; the model's own
-    tensors are replaced by the leaves when it runs); see `_trace_reference` for the way back."""
-    model = _meta_reference(case) if mode == "forward" else None
+def _reference(case: Case) -> tuple[torch.nn.Module, dict[str, torch.Tensor], bool]:
+    """The reference model and its state as fake tensors: the leaves of every graph. The model is
+    built on meta tensors where its state is plain, and the leaves are fake tensors of the same
+    metadata and aliasing (half the cost of fake parameters; the model's own tensors are replaced
+    by the leaves when it runs); see `_trace_reference` for the way back."""
+    model = _meta_reference(case)
     if model is not None:
         fakes: dict[int, torch.Tensor] = {}
         return model, {name: fakes.setdefault(id(t), _fake_like(t)) for name, t in module_state(model).items()}, True
@@ -225,41 +226,32 @@ def _trace_rank(session: _Session, rank: int, bound: list[torch.Tensor], memo: b
     """The rank's graph (its checkpoint loader, then its model, over the reference's leaves) and what
     its run says about its parameters.
 
-    A forward program first tries its model built on meta tensors, recorded by the light tracer
-    only: fake tensors cost ~6x more to make, and a 126-layer model makes ~800 parameters per rank.
-    That model's own tensors are replaced by the loaded ones, so the graph is the same; where it is
-    not usable as it is (a tensor constant without a value, code that needs fake tensors, tensor
+    A program first tries its model built on meta tensors, recorded by the light tracer only: fake
+    tensors cost ~6x more to make, and a 126-layer model makes ~800 parameters per rank. That
+    model's own tensors are replaced by the loaded ones, so the graph is the same; where it is not
+    usable as it is (a tensor constant without a value, code that needs fake tensors, tensor
     subclasses), the model is built again on fake tensors and traced as always."""
-    program, world_size = session.program, session.world_size
-    with _process_group(rank, world_size):
-        if program.loads_separately:
-            try:
-                return _trace_loaded(session, rank, memo, on_meta=True), Trained()
-            except (ShardproofError, InternalError, NotPlain):
-                session.ranks_off_meta = True
-                return _trace_loaded(session, rank, memo, on_meta=False), Trained()
-        session.ranks_off_meta = True
-        model = _build_model(f"distributed({rank}, {world_size})", lambda: session.case.distributed(rank, world_size))
-        runs: list[Trained] = []  # make_fx traces tensors only: the rest of a run's result is kept here
-
-        def run_rank(*args: torch.Tensor) -> list[torch.Tensor]:
-            outputs, trained = program.rank(model, *session.unpack(args), rank, world_size, list(args[len(session.tensors) :]))
-            runs.append(trained)
-            return outputs
-
-        names = session.names + [f"{BOUND_LEAF_PREFIX}{i}" for i in program.bound]
-        with _recorded_reduce_ops() as reduce_ops:
-            traced = _trace(f"rank {rank}", run_rank, session.tensors + bound, names, reduce_ops, rank, model if memo else None, program)
-        return traced, runs[-1]
+    with _process_group(rank, session.world_size):
+        try:
+            return _trace_program(session, rank, bound, memo, on_meta=True)
+        except (ShardproofError, InternalError, NotPlain):
+            session.ranks_off_meta = True
+            return _trace_program(session, rank, bound, memo, on_meta=False)
 
 
-def _trace_loaded(session: _Session, rank: int, memo: bool, on_meta: bool, symbol: RankExpr | None = None) -> Graph:
-    """A rank program that loads its state, then runs its model; `on_meta`: the model built on meta
-    tensors and the program recorded by the light tracer alone (any failure raises); otherwise the
-    model is built on fake tensors and recorded on them, never tried on meta tensors first: a
-    failed run may have left the model half-changed (FSDP's lazy init refuses meta parameters
-    after it began), and make_fx then traces that same model. With `symbol`, the program is given
-    that for its rank (see `_rank_class`)."""
+def _trace_program(
+    session: _Session, rank: int, bound: list[torch.Tensor], memo: bool, on_meta: bool, symbol: RankExpr | None = None
+) -> tuple[Graph, Trained]:
+    """A rank's program and what its run says about its parameters. `on_meta`: the model built on
+    meta tensors and the program recorded by the light tracer alone (any failure raises);
+    otherwise the model is built on fake tensors and recorded on them, never tried on meta tensors
+    first: a failed run may have left the model half-changed (FSDP's lazy init refuses meta
+    parameters after it began), and make_fx then traces that same model. With `symbol`, the
+    program is given that for its rank (see `_rank_class`).
+
+    A program that loads separately is traced as its loader, then its model; otherwise (a training
+    step: the loader, the step, the loader again over the reference gradients) as one function of
+    the reference's leaves and `bound`."""
     program, world_size = session.program, session.world_size
     given = rank if symbol is None else symbol
 
@@ -267,64 +259,81 @@ def _trace_loaded(session: _Session, rank: int, memo: bool, on_meta: bool, symbo
         return session.case.distributed(given, world_size)
 
     model = _build_model(f"distributed({rank}, {world_size})", (lambda: _on_meta(build)) if on_meta else build)
+    held = model if memo else None
+    if program.loads_separately:
 
-    def load(*args: torch.Tensor) -> list[torch.Tensor]:
-        return program.load(model, *session.unpack(args), given, world_size)
+        def load(*args: torch.Tensor) -> list[torch.Tensor]:
+            return program.load(model, *session.unpack(args), given, world_size)
 
-    def run_loaded(*loaded: torch.Tensor) -> list[torch.Tensor]:
-        return program.run_loaded(model, list(loaded))
+        def run_loaded(*loaded: torch.Tensor) -> list[torch.Tensor]:
+            return program.run_loaded(model, list(loaded))
 
+        with _recorded_reduce_ops() as reduce_ops:
+            return _trace(f"rank {rank}", run_loaded, session.tensors, session.names, reduce_ops, rank, held,
+                          program, load, light_only=on_meta, on_meta=on_meta), Trained()
+    runs: list[Trained] = []  # tracers keep tensors only: the rest of a run's result is kept here
+
+    def run_rank(*args: torch.Tensor) -> list[torch.Tensor]:
+        outputs, trained = program.rank(model, *session.unpack(args), given, world_size, list(args[len(session.tensors) :]))
+        runs.append(trained)
+        return outputs
+
+    names = session.names + [f"{BOUND_LEAF_PREFIX}{i}" for i in program.bound]
     with _recorded_reduce_ops() as reduce_ops:
-        return _trace(f"rank {rank}", run_loaded, session.tensors, session.names, reduce_ops, rank, model if memo else None,
-                      program, load, light_only=on_meta, on_meta=on_meta)
+        traced = _trace(f"rank {rank}", run_rank, session.tensors + bound, names, reduce_ops, rank, held, program,
+                        light_only=on_meta, on_meta=on_meta)
+    return traced, runs[-1]
 
 
 class _RankClasses:
     """The rank classes found so far (see partition/rank_classes); tracing symbolically stops once
     it stops paying: it failed, or two classes held only their own rank."""
 
-    def __init__(self, session: _Session, memo: bool):
-        self.session, self.memo = session, memo
-        self.found: list[RankClass] = []
+    def __init__(self, session: _Session, memo: bool, bound: list[torch.Tensor]):
+        self.session, self.memo, self.bound = session, memo, bound
+        self.found: list[tuple[RankClass, Trained]] = []  # a class, and what each of its ranks' runs says
         self.singletons = 0
         self.trying = True
 
-    def cover(self, rank: int) -> RankClass | None:
+    def cover(self, rank: int) -> tuple[RankClass, Trained] | None:
         """The class found so far that covers the rank."""
-        return next((known for known in self.found if known.covers(rank)), None)
+        return next((known for known in self.found if known[0].covers(rank)), None)
 
-    def graph(self, rank: int) -> Graph | None:
+    def graph(self, rank: int) -> tuple[Graph, Trained] | None:
         """The rank's graph from a class, None if it must be traced as it is."""
-        known = self.cover(rank)
-        if known is not None:
-            return known.at(rank)
+        known = self.cover(rank) or self._found(rank)
+        return None if known is None else (known[0].at(rank), known[1])
+
+    def _found(self, rank: int) -> tuple[RankClass, Trained] | None:
         if not self.trying:
             return None
-        found = _rank_class(self.session, rank, self.memo)
+        found = _rank_class(self.session, rank, self.memo, self.bound)
         if found is None:
             self.trying = False
             return None
-        if not found.covers(rank):
+        if not found[0].covers(rank):
             raise AssertionError(f"the symbolic trace of rank {rank} does not hold at rank {rank}")
         self.found.append(found)
         world = range(rank + 1, self.session.world_size)
-        self.singletons += not any(found.covers(r) for r in world)
+        self.singletons += not any(found[0].covers(r) for r in world)
         self.trying = self.singletons < 2
-        return found.at(rank)
+        return found
 
 
-def _rank_class(session: _Session, rank: int, memo: bool) -> RankClass | None:
-    """The rank's forward program traced with its rank symbolic: one trace for every rank its
-    guards admit. None where that cannot be done (a training program, tensor subclasses, code that
-    fails on a symbolic rank); the rank is then traced as it is."""
-    if not (session.program.loads_separately and session.model_on_meta):
+def _rank_class(session: _Session, rank: int, memo: bool, bound: list[torch.Tensor]) -> tuple[RankClass, Trained] | None:
+    """The rank's program traced with its rank symbolic: one trace for every rank its guards
+    admit (where they hold, the program runs exactly as traced: what its run says about its
+    parameters too). None where that cannot be done (tensor subclasses, code that fails on a
+    symbolic rank or on meta tensors, a reference not built on them); the rank is then traced as
+    it is."""
+    if not session.model_on_meta:
         return None
     with _process_group(rank, session.world_size), symbolic_rank(rank, session.world_size) as (symbol, guards):
         try:
-            graph = _trace_loaded(session, rank, memo, on_meta=True, symbol=symbol)
+            graph, trained = _trace_program(session, rank, bound, memo, on_meta=True, symbol=symbol)
         except (ShardproofError, InternalError, NotPlain):
             return None
-    return RankClass(graph, frozenset(guards))
+    return RankClass(graph, frozenset(guards)), trained
 
 
 def _on_meta(build: Callable[[], Any]) -> Any:
@@ -363,14 +372,15 @@ def _trace(
     on_meta: bool = True,
 ) -> Graph:
     """Trace `fn` (after `loader`, which maps the leaves to `fn`'s arguments) into IR; with `model`,
-    its repeated submodules' calls are traced once. A program without gradients is recorded whole
-    by the light tracer where it handles plain tensors only; otherwise the loader is, where it
-    can be, and make_fx traces the rest. `on_meta`: the light tracer may record on meta tensors
-    (see `dispatch_trace.record`)."""
+    its repeated submodules' calls are traced once. A program (a training step too: autograd's
+    backward runs on this thread, under the tracer's mode) is recorded whole by the light tracer
+    where it handles plain tensors only; otherwise the loader is, where it can be, and make_fx
+    traces the rest. `light_only`: no make_fx. `on_meta`: the light tracer may record on meta
+    tensors (see `dispatch_trace.record`)."""
 
     def trace(restart: Callable[[], None]) -> Traced | fx.GraphModule:
         whole = fn if loader is None else _after(loader, fn)
-        gm = None if program.differentiates else _recorded(what, whole, leaves, _give_up if light_only else restart, on_meta)
+        gm = _recorded(what, whole, leaves, _give_up if light_only else restart, on_meta)
         return gm or _loaded_then_fx(what, fn, leaves, loader)
 
     def lower(gm: Traced | fx.GraphModule, names: list[str], ops: list[str]) -> Graph:
@@ -417,8 +427,8 @@ def _loaded_then_fx(what: str, fn: Callable, leaves: list, loader: Callable | No
 
 
 def _recorded(what: str, fn: Callable, leaves: list, restart: Callable[[], None], on_meta: bool) -> Traced | None:
-    """A program without gradients, by the light tracer (~10x cheaper per op than make_fx: a
-    126-layer model's calls and loader dominated capture); None where it handles tensor
+    """A program by the light tracer (~10x cheaper per op than make_fx: a 126-layer model's
+    calls and loader, twice per training step, dominated capture); None where it handles tensor
     subclasses, after `restart`: make_fx traces those."""
     try:
         return _failing_as_capture_error(f"tracing {what}", lambda: record(fn, leaves, restart, _decompositions(), on_meta=on_meta)[0])

@@ -27,7 +27,7 @@ from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from shardproof.capture.dispatch_trace import Decompositions, Traced, record
+from shardproof.capture.dispatch_trace import Decompositions, Traced, record, unrecorded
 from shardproof.partition.fingerprint import PLAIN_DATA, module_key
 from shardproof.state import module_state
 
@@ -106,7 +106,7 @@ def record_apart(
         return [g for g in grads if g is not None]
 
     try:
-        with disable_proxy_modes_tracing():
+        with disable_proxy_modes_tracing(), unrecorded():
             forward = _recorded(run, flat, reduce_ops, decompositions)
             blank = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in forward.outputs]
             backward = _recorded(vjp, [*flat, *blank], reduce_ops, decompositions)

@@ -20,13 +20,20 @@ from shardproof.partition.templates import Template
 EXAMPLES = Path(__file__).parents[2] / "examples"
 
 
-def by_rank(case: Case, world_size: int) -> tuple[int, list[Graph | None], list[Graph]]:
-    """(classes found, each rank's graph from its class or None, each rank's own trace)."""
-    with torch_capture._session(case, world_size, "forward") as session:
-        classes = torch_capture._RankClasses(session, memo=True)
+def by_rank(case: Case, world_size: int, mode: str = "forward") -> tuple[int, list[Graph | None], list[Graph]]:
+    """(classes found, each rank's graph from its class or None, each rank's own trace); what a
+    class says of its ranks' parameters is what each one's own run says."""
+    with torch_capture._session(case, world_size, mode) as session:
+        bound = []
+        if session.program.bound:  # a training step's reference gradients
+            reference = torch_capture._trace_reference(session, True, lambda _: None)
+            bound = [torch_capture._placeholder(reference, i) for i in session.program.bound]
+        classes = torch_capture._RankClasses(session, True, bound)
         symbolic = [classes.graph(rank) for rank in range(world_size)]
-        own = [torch_capture._trace_rank(session, rank, [], memo=True)[0] for rank in range(world_size)]
-    return len(classes.found), symbolic, own
+        own = [torch_capture._trace_rank(session, rank, bound, memo=True) for rank in range(world_size)]
+    for mine, theirs in zip(symbolic, own):
+        assert mine is None or mine[1] == theirs[1]
+    return len(classes.found), [None if found is None else found[0] for found in symbolic], [graph for graph, _ in own]
 
 
 def numbered(graph: Graph, table: dict) -> list[int]:
@@ -54,6 +61,15 @@ def assert_same_programs(symbolic: list[Graph | None], own: list[Graph]) -> None
 @pytest.mark.parametrize("example, world_size", [("llama_tp.py", 4), ("llama_tp.py", 8), ("mlp_tp.py", 4)])
 def test_one_trace_stands_for_every_rank_of_the_examples(example: str, world_size: int) -> None:
     found, symbolic, own = by_rank(load_case(EXAMPLES / example), world_size)
+    assert found == 1
+    assert_same_programs(symbolic, own)
+
+
+@pytest.mark.parametrize("world_size", [2, 8])
+def test_one_trace_stands_for_every_rank_of_a_training_step(world_size: int) -> None:
+    """The loader over the parameters and over the reference gradients, the forward and the
+    backward with Megatron's mappings (the logits' gather keeps `grad.chunk(world_size)[rank]`)."""
+    found, symbolic, own = by_rank(load_case(EXAMPLES / "llama_tp.py"), world_size, "train")
     assert found == 1
     assert_same_programs(symbolic, own)
 
@@ -150,6 +166,53 @@ def test_a_rank_used_as_a_plain_int_is_traced_rank_by_rank(pick: Callable[[Any],
 
     found, symbolic, own = by_rank(_case(lambda rank, ws: _Sliced(8), loader), 4)
     assert found == 2, "each rank pinned: tracing symbolically stops after two classes of one rank"
+    assert symbolic[2:] == [None, None]
+    assert_same_programs(symbolic[:2], own[:2])
+
+
+@pytest.mark.parametrize("world_size, classes", [(4, 1), (3, 2)])
+def test_the_piece_at_the_rank_is_a_slice_where_the_pieces_are_equal(world_size: int, classes: int) -> None:
+    """8 columns in 4 pieces of 2: the piece at the rank is a slice at a symbolic offset. In 3
+    pieces (3, 3, 2) it is not: the index is pinned, each rank traced on its own."""
+
+    def loader(state: dict, rank: Any, world_size: int) -> dict:
+        weight = state["weight"]
+        part = weight.chunk(world_size, dim=1)[rank]
+        return {"weight": torch.cat([part, weight], dim=1)[:, :8]}
+
+    found, symbolic, own = by_rank(_case(lambda rank, ws: _Sliced(8), loader, world_size), world_size)
+    assert found == classes
+    traced = [rank for rank, graph in enumerate(symbolic) if graph is not None]
+    assert traced == ([0, 1, 2, 3] if classes == 1 else [0, 1])
+    assert_same_programs([symbolic[r] for r in traced], [own[r] for r in traced])
+
+
+class _Cut(nn.Module):
+    """The rank's columns of an activation, read by a slice (`in_place=False`) or written into a
+    slice of a buffer (`in_place=True`): either way the backward takes the rank's offsets."""
+
+    def __init__(self, in_place: bool) -> None:
+        super().__init__()
+        self.full = nn.Parameter(torch.empty(8, 8))
+        self.in_place = in_place
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, rank = x @ self.full, dist.get_rank()
+        if not self.in_place:
+            return h[:, rank * 2 : rank * 2 + 2]
+        buffer = torch.zeros_like(h)
+        buffer[:, rank * 2 : rank * 2 + 2].copy_(h[:, :2])
+        return buffer
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_symbolic_slice_differentiated_holds_at_its_rank_alone(in_place: bool) -> None:
+    """Autograd's backward formulas take a slice's offsets as ints: where one runs, each rank is
+    traced on its own (the loader's slices, never differentiated, stay symbolic: see above)."""
+    case = Case(lambda: _Cut(in_place), lambda rank, ws: _Cut(in_place), lambda: (torch.randn(3, 8),), 4,
+                loss=lambda out, x: out.pow(2).mean())  # fmt: skip
+    found, symbolic, own = by_rank(case, 4, "train")
+    assert found == 2
     assert symbolic[2:] == [None, None]
     assert_same_programs(symbolic[:2], own[:2])
 
