@@ -1,4 +1,4 @@
-"""A light tracer for plain-tensor code (the checkpoint loader, forward programs): aten ops into an FX graph.
+"""A light tracer for plain-tensor code (the checkpoint loader, forward programs, training steps): aten ops into an FX graph.
 
 make_fx spends ~0.5 ms per op on proxies and stack traces; a loader slicing 126 layers issues
 ~1,200 ops per rank, so tracing it dominated capture. Here a dispatch mode records each aten op
