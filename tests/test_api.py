@@ -3,7 +3,6 @@ fault, and agreement with the numeric oracle (the verifier is checked, not the u
 
 from __future__ import annotations
 
-import math
 import re
 from contextlib import contextmanager
 from pathlib import Path
@@ -12,9 +11,7 @@ import pytest
 
 from shardproof import verify
 from shardproof.case import load_case
-from shardproof.errors import CaseError
 from shardproof.oracle import run_numeric
-from shardproof.programs import NumericResult
 
 CASES = Path(__file__).parent / "cases"
 EXAMPLES = Path(__file__).parent.parent / "examples"
@@ -28,7 +25,6 @@ KIND_WORDS = {
     "missing-backward": "missing backward step",
     "unwritten": "uninitialised memory read",
     "too-few": "too few candidates",
-    "mismatched": "mismatched collectives",
 }
 
 
@@ -55,11 +51,7 @@ def _world_size(path: Path) -> int:
 
 def _checked(path: Path, world_size: int):
     report = verify(path, world_size=world_size)
-    try:
-        numbers = run_numeric(load_case(path), world_size)
-    except (CaseError, RuntimeError) as err:  # a real run fails: ranks whose collectives do not pair up, and only they
-        assert report.kind == "mismatched collectives", f"the program raises ({err}) but the report says {report.diagnosis}"
-        return report, NumericResult(False, math.inf, math.inf, str(err), {})
+    numbers = run_numeric(load_case(path), world_size)
     if report.verdict == "equivalent":
         assert numbers.agree, f"proven equivalent but the numbers differ: {numbers.detail}"
     if report.verdict == "discrepancy":
@@ -100,13 +92,6 @@ def test_context_parallel_case_is_proven_at_more_ranks_and_trained(world_size: i
     report = verify(path, world_size=world_size, train=train)
     assert run_numeric(load_case(path), world_size, mode="train" if train else None).agree
     assert report.verdict == "equivalent", report.diagnosis
-
-
-@pytest.mark.slow
-def test_ulysses_case_is_proven_at_eight_ranks() -> None:
-    """Two heads and two tokens per rank (the fixed case runs at 1, 2, 4 above)."""
-    report, numbers = _checked(CASES / "ulysses-gather-dim_fixed.py", 8)
-    assert numbers.agree and report.verdict == "equivalent", report.diagnosis
 
 
 @pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)])
@@ -168,25 +153,4 @@ def test_the_llama_pipeline_is_proven_tied_interleaved_and_on_2d_layouts(setting
     """lm_head tied to the embedding (the first and last stage all-reduce its gradient), two
     pipelines of 2 stages, and interleaved 1F1B over two virtual stages per rank."""
     with _variant(EXAMPLES / "llama_pp.py", **settings) as case:
-        _proven_with_oracle(case, world_size)
-
-
-@pytest.mark.parametrize(("tp", "world_size", "mode"), [
-    (1, 2, "train"),  # 2x1: FSDP2 alone on the Llama
-    (2, 2, "forward"),  # 1x2: one data-parallel group reads the whole batch, its output the reference's
-    pytest.param(4, 4, "forward", marks=pytest.mark.slow),
-    pytest.param(4, 8, "train", marks=pytest.mark.slow),  # 2x4
-])
-def test_fsdp_over_tp_is_proven_on_other_meshes(tp: int, world_size: int, mode: str) -> None:
-    """examples/llama_fsdp_tp.py on (dp, tp) meshes other than its default TP of 2 gives (1x2, 2x2,
-    4x2 trained above), and its forward."""
-    with _variant(EXAMPLES / "llama_fsdp_tp.py", TP=tp) as case:
-        case.mode = mode
-        _proven_with_oracle(case, world_size)
-
-
-@pytest.mark.parametrize("world_size", [4, pytest.param(8, marks=pytest.mark.slow)])
-def test_hsdp_is_proven(world_size: int) -> None:
-    """examples/mlp_fully_shard.py as HSDP: fully_shard on a (replicate, shard) mesh of 2 groups."""
-    with _variant(EXAMPLES / "mlp_fully_shard.py", REPLICAS=2) as case:
         _proven_with_oracle(case, world_size)

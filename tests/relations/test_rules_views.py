@@ -112,21 +112,6 @@ def test_a_batch_row_dropped_before_a_head_range_is_held_apart():
     assert y.term == b.sl(b.view(b.sl(x, 0, 0, 1), (4, 4, 8)), 0, 0, 2).term
 
 
-def test_a_flat_buffers_row_read_back_in_its_tensors_shape_is_the_tensors_rows():
-    """FSDP2 over TP: a rank's TP shard X[:, 0:8] of the reference's weight, flattened into a buffer
-    of one row per data-parallel rank, (8, 8) -> (2, 32); the row a reduce-scatter leaves it, read
-    back as (4, 8), is X[0:4, 0:8]. The reshape undoes the buffer's (no flattening is made, so no row
-    is held apart as a selected head would be)."""
-    b = Build()
-    x = b.leaf("x", (8, 16))
-    b.r.reference_size = len(b.u)
-    flat = b.view(b.sl(x, 1, 0, 8), (2, 32))
-    for row in range(2):
-        y = b.view(b.sl(flat, 0, row, row + 1), (4, 8))
-        b.check(y)
-        assert y.term == b.box(x, ((4 * row, 4 * row + 4), (0, 8))).term
-
-
 def test_one_head_of_a_batch_of_one_follows_the_reference():
     """A rank's one head of a batch of one, flattened for a batched matmul, (1, 1, s, d) ->
     (1, s, d), is that head of the reference's (heads, s, d); the scores back, (1, s, s) ->

@@ -39,7 +39,7 @@ class ViewRules:
                 # above may not follow: a rank's slice given a new axis to all-gather along, then
                 # flattened with it
                 return self.view(term.args[0], shape)
-        if term.op == "slice" and self.u[term.args[0]].op == "permute":
+        if term.op == "slice" and self.u[term.args[0]].op == "permute" and _inserted_ones(shape, term.shape) is not None:
             moved = self._view_sliced_permute(x, shape)
             if moved is not None:
                 return moved
@@ -194,12 +194,10 @@ class ViewRules:
         if plain is None:
             return None
         whole = self.view(root, plain[0])
-        if (self.reference_size is not None and self.op(whole) == "view" and not self.in_reference(whole)
-                and _drops_selected_row(self.shape(root), region, shape)):
+        if self.reference_size is not None and not self.in_reference(whole) and _drops_selected_row(self.shape(root), region, shape):
             # a rank's one head merged as the outer factor of the dims after it is a column range of
             # a flattening the reference never makes; held apart, it meets the reference's own
-            # merge of those heads with another dim (Megatron's (s, b, heads, d) -> (s, b * heads, d)).
-            # A reshape that undoes one (a flat buffer's row read back in its tensor's shape) makes none
+            # merge of those heads with another dim (Megatron's (s, b, heads, d) -> (s, b * heads, d))
             held = self._view_inner_slice(root, region, shape)
             if held is not None:
                 return held
@@ -295,27 +293,23 @@ class ViewRules:
         return None if self.u[found].op == "bcast" else found
 
     def _view_sliced_permute(self, x: int, shape: tuple[int, ...]) -> int | None:
-        """view(permute(Y, p)[box]) that drops exactly the dims the box cuts to one index, where Y
-        splits a dim into blocks: the permute of Y's box with those dims dropped, a region of what Y
-        splits where the block is one (a rank's block of tokens or heads moved ahead for an
-        all_to_all, then dropped: Ulysses' switch). The slice stays inside: no box of a permute
-        of Y is that."""
+        """view(permute(Y, p)[box]), dropping size-1 dims, where Y splits a dim into blocks and the
+        permute moves only dims the box cuts to size 1: the elements of Y's box in their own order,
+        so view(Y[box]), a region of what Y splits (one block of heads of a (tokens, heads, d)
+        tensor moved ahead for an all_to_all, then dropped: Ulysses' switch)."""
         term = self.u[x]
         permuted = self.u[term.args[0]]
         if self.op(permuted.args[0]) != "view":  # blocks of a dim the program split, not dims of their own
             return None
         perm, box = permuted.attrs[0], term.attrs[0]
-        cut = [d for d, (lo, hi) in enumerate(box) if hi - lo == 1 and permuted.shape[d] > 1]
-        if not cut or shape != tuple(n for d, n in enumerate(term.shape) if d not in cut):
-            return None
         inner_box: list[tuple[int, int]] = [(0, 0)] * len(perm)
         for d, p in enumerate(perm):
             inner_box[p] = box[d]
-        dropped = {perm[d] for d in cut}
-        kept = [p for p in range(len(perm)) if p not in dropped]
-        sliced = self.slice(permuted.args[0], tuple(inner_box))
-        reduced = self.view(sliced, tuple(box_shape(tuple(inner_box))[p] for p in kept))
-        return self.permute(reduced, tuple(kept.index(p) for p in perm if p not in dropped))
+        sizes = box_shape(tuple(inner_box))
+        moved = [p for p in perm if sizes[p] != 1]
+        if moved != sorted(moved):
+            return None
+        return self.view(self.slice(permuted.args[0], tuple(inner_box)), shape)
 
     def _view_permute(self, x: int, shape: tuple[int, ...]) -> int | None:
         """view(permute(Y, p)) as permute(view(permute(Y, r)), q): r makes each merged group of
