@@ -93,12 +93,8 @@ def _buggy() -> str:
     return text.replace("q = self.rotate(q)", "q = self.rotate(q, swap=self.heads != HEADS)")
 
 
-_REGRESSED = pytest.mark.xfail(strict=True, reason="unknown at 4 ranks since 58b588b backed out 1ebbedf and 25b9e72 "
-                               "after b1881f0 had landed on them (a view of a sliced permute); to be fixed")
-
-
 @pytest.mark.parametrize("world_size, text", [
-    (2, ATTENTION), (2, COMPLEX_ROTARY), pytest.param(4, ATTENTION, marks=_REGRESSED), (4, COMPLEX_ROTARY),
+    (2, ATTENTION), (2, COMPLEX_ROTARY), (4, ATTENTION), (4, COMPLEX_ROTARY),
 ], ids=["2-interleaved-rotary", "2-complex-rotary", "4-interleaved-rotary", "4-complex-rotary"])
 def test_attention_through_decompositions_and_open_ops_is_proven(tmp_path: Path, world_size: int, text: str) -> None:
     assert COMPLEX_ROTARY != ATTENTION

@@ -447,3 +447,22 @@ def test_view_of_one_block_moved_ahead_is_that_block(tokens, blocks, width, data
     y = b.view(b.sl(moved, 0, k, k + 1), (tokens, width))
     b.check(y)
     assert y.term == b.sl(x, 1, k * width, (k + 1) * width).term
+
+
+@SETTINGS
+@given(st.integers(2, 3), st.integers(2, 4), st.integers(2, 3), st.data())
+def test_one_of_interleaved_pairs_of_permuted_heads_is_that_entry_of_each_pair(tokens, heads, pairs, data):
+    """X(tokens, heads*pairs*2) viewed (tokens, heads, pairs, 2), heads moved ahead, entry k of each
+    pair taken and its unit dim dropped (x[..., k::2] of a rotary embedding, heads split among
+    ranks) keeps the heads ahead: permute(view(that entry of X's pairs), (1, 0, 2)). A view of the
+    slice as a whole is no region: the permute reorders the dims it keeps."""
+    b = Build()
+    x = b.leaf("x", (tokens, heads * pairs * 2))
+    k = data.draw(st.integers(0, 1))
+    h0, h1 = data.draw(ranges(heads).filter(lambda r: r[1] - r[0] > 1))  # one head left would be cut too
+    split = b.view(x, (tokens, heads, pairs, 2))
+    moved = b.box(b.permute(split, (1, 0, 2, 3)), ((h0, h1), (0, tokens), (0, pairs), (k, k + 1)))
+    y = b.view(moved, (h1 - h0, tokens, pairs))
+    b.check(y)
+    entry = b.box(split, ((0, tokens), (h0, h1), (0, pairs), (k, k + 1)))
+    assert y.term == b.permute(b.view(entry, (tokens, h1 - h0, pairs)), (1, 0, 2)).term

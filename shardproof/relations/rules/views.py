@@ -39,8 +39,8 @@ class ViewRules:
                 # above may not follow: a rank's slice given a new axis to all-gather along, then
                 # flattened with it
                 return self.view(term.args[0], shape)
-        if term.op == "slice" and self.u[term.args[0]].op == "permute" and _inserted_ones(shape, term.shape) is not None:
-            moved = self._view_sliced_permute(x, shape)
+        if term.op == "slice" and self.u[term.args[0]].op == "permute":
+            moved = self._view_sliced_permute(x, shape, reorder=False)
             if moved is not None:
                 return moved
         if term.op == "slice":
@@ -51,6 +51,8 @@ class ViewRules:
             root, region = x, None
         if root != x:
             found = self._view_region(root, region, shape)
+            if found is None and term.op == "slice" and self.u[root].op == "permute":
+                found = self._view_sliced_permute(x, shape, reorder=True)
             if found is None and term.op == "slice":
                 found = self._view_inner_slice(root, region, shape)
             if found is not None:
@@ -292,24 +294,32 @@ class ViewRules:
         found = self.view(x, shape)
         return None if self.u[found].op == "bcast" else found
 
-    def _view_sliced_permute(self, x: int, shape: tuple[int, ...]) -> int | None:
-        """view(permute(Y, p)[box]), dropping size-1 dims, where Y splits a dim into blocks and the
-        permute moves only dims the box cuts to size 1: the elements of Y's box in their own order,
-        so view(Y[box]), a region of what Y splits (one block of heads of a (tokens, heads, d)
-        tensor moved ahead for an all_to_all, then dropped: Ulysses' switch)."""
+    def _view_sliced_permute(self, x: int, shape: tuple[int, ...], reorder: bool) -> int | None:
+        """view(permute(Y, p)[box]) that drops exactly the dims the box cuts to one index, where Y
+        splits a dim into blocks: the permute of Y's box with those dims dropped. Where the permute
+        keeps the other dims in order it is a region of what Y splits (a rank's block of tokens or
+        heads moved ahead for an all_to_all, then dropped: Ulysses' switch), taken before any other
+        view law. Where it reorders them (one entry of each interleaved rotary pair of heads moved
+        ahead), it is asked for only when no region of the slice's operand is found: a rank's box
+        of a transposed product's rows is better read as that region (JAX's 2-D mesh attention)."""
         term = self.u[x]
         permuted = self.u[term.args[0]]
         if self.op(permuted.args[0]) != "view":  # blocks of a dim the program split, not dims of their own
             return None
         perm, box = permuted.attrs[0], term.attrs[0]
+        cut = [d for d, (lo, hi) in enumerate(box) if hi - lo == 1 and permuted.shape[d] > 1]
+        if not cut or shape != tuple(n for d, n in enumerate(term.shape) if d not in cut):
+            return None
         inner_box: list[tuple[int, int]] = [(0, 0)] * len(perm)
         for d, p in enumerate(perm):
             inner_box[p] = box[d]
-        sizes = box_shape(tuple(inner_box))
-        moved = [p for p in perm if sizes[p] != 1]
-        if moved != sorted(moved):
+        dropped = {perm[d] for d in cut}
+        kept = [p for p in range(len(perm)) if p not in dropped]
+        order = tuple(kept.index(p) for p in perm if p not in dropped)
+        if not reorder and order != tuple(range(len(order))):
             return None
-        return self.view(self.slice(permuted.args[0], tuple(inner_box)), shape)
+        sliced = self.slice(permuted.args[0], tuple(inner_box))
+        return self.permute(self.view(sliced, tuple(box_shape(tuple(inner_box))[p] for p in kept)), order)
 
     def _view_permute(self, x: int, shape: tuple[int, ...]) -> int | None:
         """view(permute(Y, p)) as permute(view(permute(Y, r)), q): r makes each merged group of
