@@ -334,21 +334,30 @@ class _Line:
 
     def balanced(self, close: str) -> str:
         """Text up to the matching `close`, skipping nested brackets and quoted strings."""
-        start, depth = self.pos, 0
+        start = self.pos
+        self._scan(close)
+        if self.pos == len(self.text):
+            raise self.fail(f"a closing `{close}`")
+        self.pos += 1
+        return self.text[start : self.pos - 1]
+
+    def _scan(self, stop: str) -> int:
+        """Move to the next `stop` outside brackets and strings, or to the end; the bracket depth
+        left open there."""
+        depth = 0
         while self.pos < len(self.text):
             char = self.text[self.pos]
             if char == '"':
                 self.string()
                 continue
+            if char == stop and depth == 0:
+                break
             if char in "({[":
                 depth += 1
             elif char in ")}]":
-                if depth == 0 and char == close:
-                    self.pos += 1
-                    return self.text[start : self.pos - 1]
                 depth -= 1
             self.pos += 1
-        raise self.fail(f"a closing `{close}`")
+        return depth
 
     def string(self) -> str:
         match = re.compile(r'"(?:[^"\\]|\\.)*"').match(self.text, self.pos)
@@ -361,20 +370,8 @@ class _Line:
         """Up to the next comma outside brackets and strings (`{...}`, `"..."`, `[2,2]<=[4]`,
         `mesh['tp'=2] {'tp'}`)."""
         self.skip_space()
-        start, depth = self.pos, 0
-        while self.pos < len(self.text):
-            char = self.text[self.pos]
-            if char == '"':
-                self.string()
-                continue
-            if char in "({[":
-                depth += 1
-            elif char in ")}]":
-                depth -= 1
-            elif char == "," and depth == 0:
-                break
-            self.pos += 1
-        if self.pos == start or depth:
+        start = self.pos
+        if self._scan(",") or self.pos == start:
             raise self.fail("an attribute value")
         return self.text[start : self.pos].strip()
 
