@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -149,13 +149,15 @@ def _check(config: LlamaConfig, world_size: int) -> None:
         raise ValueError("; ".join(problems))
 
 
-def parallelize(model: Llama, config: LlamaConfig, rank: int, world_size: int) -> Llama:
+def parallelize(model: Llama, config: LlamaConfig, rank: int, world_size: int, mesh: DeviceMesh | None = None) -> Llama:
+    """Tensor parallel over `mesh` (default: all `world_size` ranks); `rank` is the rank within it."""
     _check(config, world_size)
-    # shardproof builds models inside FakeTensorMode; DeviceMesh reads its rank map back with
-    # .tolist(), which a fake tensor cannot do (DataDependentOutputException). The mesh is a few
-    # ints, so build it on real tensors. Outside fake mode this context manager does nothing.
-    with unset_fake_temporarily():
-        mesh = init_device_mesh("cpu", (world_size,))
+    if mesh is None:
+        # shardproof builds models inside FakeTensorMode; DeviceMesh reads its rank map back with
+        # .tolist(), which a fake tensor cannot do (DataDependentOutputException). The mesh is a few
+        # ints, so build it on real tensors. Outside fake mode this context manager does nothing.
+        with unset_fake_temporarily():
+            mesh = init_device_mesh("cpu", (world_size,))
     kv_replicated = _kv_replicated(config, world_size)
     parallelize_module(
         model,

@@ -1,4 +1,4 @@
-"""Case: FSDP2, torch's own `fully_shard`, training residual MLP blocks on a 1-D mesh.
+"""Case: FSDP2, torch's own `fully_shard`, training residual MLP blocks on a 1-D mesh (or HSDP).
 
 Each block, then the root, is wrapped with `torch.distributed.fsdp.fully_shard`: every parameter
 becomes a DTensor sharded on dim 0 (`Shard(0)`) over the mesh, and every rank reads a 1/n slice of
@@ -6,7 +6,9 @@ the batch. FSDP2's hooks all-gather a block's parameters before its forward (and
 backward, the blocks being resharded after their forward), and reduce-scatter its gradients with
 the average over ranks after its backward, through its own flat buffers (`fsdp::all_gather_copy_in`,
 `fsdp::split_with_sizes_copy`, `fsdp::chunk_cat`). Nothing is written by hand: the loader is
-DTensor's placements and the step is `loss.backward()`.
+DTensor's placements and the step is `loss.backward()`. With `REPLICAS = 2` the mesh is 2-D,
+(replicate, shard): HSDP, each parameter `(Replicate(), Shard(0))`, its gradient reduce-scattered
+within a group and all-reduced across the groups.
 
 shardproof proves the mean of the ranks' losses and every rank's gradient shard against the
 single-device model on the whole batch (`MODE = "train"`).
@@ -34,6 +36,7 @@ class MlpConfig:
 CONFIG = MlpConfig()
 WORLD_SIZE = 2
 MODE = "train"
+REPLICAS = 1  # HSDP: above 1, a (replicate, shard) mesh of REPLICAS groups each sharding the parameters
 
 
 class Block(nn.Module):
@@ -67,7 +70,11 @@ def distributed(rank: int, world_size: int) -> nn.Module:
     if CONFIG.batch % world_size:
         raise ValueError(f"batch={CONFIG.batch} is not divisible by world_size={world_size}")
     model = Mlp(CONFIG)
-    mesh = init_device_mesh("cpu", (world_size,))
+    replicas = min(REPLICAS, world_size)
+    if replicas == 1:
+        mesh = init_device_mesh("cpu", (world_size,))
+    else:  # HSDP: gradients reduce-scattered within a group, then all-reduced across the groups
+        mesh = init_device_mesh("cpu", (replicas, world_size // replicas), mesh_dim_names=("replicate", "shard"))
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     return fully_shard(model, mesh=mesh)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardproof.case import Case
 from shardproof.errors import CaseError
@@ -106,17 +107,24 @@ def _built_at(model: torch.nn.Module, name: str) -> str:
 
 
 def _dtensor_local(full: torch.Tensor, held: DTensor, rank: int) -> torch.Tensor:
+    """This rank's local tensor of `full` under `held`'s placements, cut mesh dim by mesh dim by
+    DTensor's own arithmetic: torch.chunk's sizes, empty shards past the last chunk, and a
+    `_StridedShard`'s rows (FSDP2 over TP: the dp shard of a TP shard, read right to left). Made
+    contiguous, as DTensor's own shards are (FSDP2 views a local shard flat)."""
     mesh = held.device_mesh
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         raise CaseError(f"rank {rank} is not in the device mesh of a DTensor parameter")
     local = full
     for mesh_dim, placement in enumerate(held.placements):
-        if isinstance(placement, Shard):
-            # DTensor's own arithmetic: torch.chunk's sizes, and empty shards past the last chunk
+        if isinstance(placement, _StridedShard):
+            local = placement._select_split_tensor(
+                local, mesh.size(mesh_dim), coordinate[mesh_dim], with_padding=False, contiguous=False, clone=False
+            )
+        elif isinstance(placement, Shard):
             size, offset = Shard.local_shard_size_and_offset(local.size(placement.dim), mesh.size(mesh_dim), coordinate[mesh_dim])
             local = local.narrow(placement.dim, offset, size)
-    return local
+    return local.contiguous()
 
 
 def _as_model_holds(tensor: torch.Tensor, held: torch.Tensor) -> torch.Tensor:

@@ -154,3 +154,24 @@ def test_the_llama_pipeline_is_proven_tied_interleaved_and_on_2d_layouts(setting
     pipelines of 2 stages, and interleaved 1F1B over two virtual stages per rank."""
     with _variant(EXAMPLES / "llama_pp.py", **settings) as case:
         _proven_with_oracle(case, world_size)
+
+
+@pytest.mark.parametrize(("tp", "world_size", "mode"), [
+    (1, 2, "train"),  # 2x1: FSDP2 alone on the Llama
+    (2, 2, "forward"),  # 1x2: one data-parallel group reads the whole batch, its output the reference's
+    pytest.param(4, 4, "forward", marks=pytest.mark.slow),
+    pytest.param(4, 8, "train", marks=pytest.mark.slow),  # 2x4
+])
+def test_fsdp_over_tp_is_proven_on_other_meshes(tp: int, world_size: int, mode: str) -> None:
+    """examples/llama_fsdp_tp.py on (dp, tp) meshes other than its default TP of 2 gives (1x2, 2x2,
+    4x2 trained above), and its forward."""
+    with _variant(EXAMPLES / "llama_fsdp_tp.py", TP=tp) as case:
+        case.mode = mode
+        _proven_with_oracle(case, world_size)
+
+
+@pytest.mark.parametrize("world_size", [4, pytest.param(8, marks=pytest.mark.slow)])
+def test_hsdp_is_proven(world_size: int) -> None:
+    """examples/mlp_fully_shard.py as HSDP: fully_shard on a (replicate, shard) mesh of 2 groups."""
+    with _variant(EXAMPLES / "mlp_fully_shard.py", REPLICAS=2) as case:
+        _proven_with_oracle(case, world_size)

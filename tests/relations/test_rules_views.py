@@ -112,6 +112,39 @@ def test_a_batch_row_dropped_before_a_head_range_is_held_apart():
     assert y.term == b.sl(b.view(b.sl(x, 0, 0, 1), (4, 4, 8)), 0, 0, 2).term
 
 
+def test_a_flat_buffers_row_read_back_in_its_tensors_shape_is_the_tensors_rows():
+    """FSDP2 over TP: a rank's TP shard X[:, 0:8] of the reference's weight, flattened into a buffer
+    of one row per data-parallel rank, (8, 8) -> (2, 32); the row a reduce-scatter leaves it, read
+    back as (4, 8), is X[0:4, 0:8]. The reshape undoes the buffer's (no flattening is made, so no row
+    is held apart as a selected head would be)."""
+    b = Build()
+    x = b.leaf("x", (8, 16))
+    b.r.reference_size = len(b.u)
+    flat = b.view(b.sl(x, 1, 0, 8), (2, 32))
+    for row in range(2):
+        y = b.view(b.sl(flat, 0, row, row + 1), (4, 8))
+        b.check(y)
+        assert y.term == b.box(x, ((4 * row, 4 * row + 4), (0, 8))).term
+
+
+def test_a_head_of_a_permute_flattened_is_held_apart_though_its_view_normalizes_to_a_permute():
+    """Megatron's one head per rank in training: a rank's head of (b, heads, s, d), a permute of the
+    reference's (s, b, heads, d), read as (b, s, d). The view of the permute it would be a range of,
+    (b, heads * s, d), normalizes to a permute of a view: no tensor the flattening came from, so
+    the flattening is new and the head is held apart (a reshape back to a flat buffer's own tensor
+    is not, above)."""
+    b = Build()
+    q = b.view(b.leaf("x", (16, 2, 32)), (16, 2, 8, 4))
+    b.permute(b.view(q, (16, 16, 4)), (1, 0, 2))  # the reference's heads merged with the batch
+    b.r.reference_size = len(b.u)
+    heads = b.permute(q, (1, 2, 0, 3))
+    for h in range(2):
+        one = b.sl(heads, 1, h, h + 1)
+        y = b.view(one, (2, 16, 4))
+        b.check(y)
+        assert b.op_of(y) == "view" and b.u[y.term].args == (one.term,)
+
+
 def test_one_head_of_a_batch_of_one_follows_the_reference():
     """A rank's one head of a batch of one, flattened for a batched matmul, (1, 1, s, d) ->
     (1, s, d), is that head of the reference's (heads, s, d); the scores back, (1, s, s) ->

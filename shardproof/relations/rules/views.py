@@ -196,10 +196,15 @@ class ViewRules:
         if plain is None:
             return None
         whole = self.view(root, plain[0])
-        if self.reference_size is not None and not self.in_reference(whole) and _drops_selected_row(self.shape(root), region, shape):
+        undoes = self.op(root) == "view" and whole == self.u[root].args[0]
+        if (self.reference_size is not None and not undoes and not self.in_reference(whole)
+                and _drops_selected_row(self.shape(root), region, shape)):
             # a rank's one head merged as the outer factor of the dims after it is a column range of
             # a flattening the reference never makes; held apart, it meets the reference's own
-            # merge of those heads with another dim (Megatron's (s, b, heads, d) -> (s, b * heads, d))
+            # merge of those heads with another dim (Megatron's (s, b, heads, d) -> (s, b * heads, d)).
+            # A reshape back to the very tensor `root` was flattened from (a flat buffer's row read
+            # back in its tensor's shape) makes none: its rows are that tensor's. Only that: a view
+            # whose normal form is another op (a broadcast adding ones, a permute) is still new
             held = self._view_inner_slice(root, region, shape)
             if held is not None:
                 return held
