@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Callable, Hashable
 
 from shardproof.relations.rules import Rules
+from shardproof.relations.rules.linear import attr_terms, with_attr_terms
 from shardproof.relations.universe import Universe
 
 MAX_BOUNDARY_TERMS = 5_000  # a rank argument larger than this is not worth canonicalizing
@@ -27,6 +28,7 @@ class NotPartitioned(Exception):
 
 
 Entry = tuple  # ("cut", j, shape, dtype) | ("free", i, shape, dtype) | (op, attrs, shape, dtype, child entries)
+# (the terms an entry's attrs name, a piece's axis, are entries too: its attrs name their indices)
 
 
 @dataclass
@@ -77,12 +79,14 @@ def _visit(
             frees.append(t)
         elif children_done:
             index[t] = len(entries)
-            entries.append((term.op, term.attrs, term.shape, term.dtype, tuple(index[a] for a in term.args)))
+            attrs = with_attr_terms(term.op, term.attrs, index.__getitem__)
+            entries.append((term.op, attrs, term.shape, term.dtype, tuple(index[a] for a in term.args)))
             if len(entries) > MAX_BOUNDARY_TERMS:
                 raise NotPartitioned(f"a call boundary has more than {MAX_BOUNDARY_TERMS} terms")
         else:
             stack.append((t, True))
-            stack.extend((a, False) for a in reversed(term.args) if a not in index)
+            below = (*term.args, *attr_terms(term.op, term.attrs))
+            stack.extend((a, False) for a in reversed(below) if a not in index)
 
 
 def build_entries(rules: Rules, entries: list[Entry], terms: list[int], stop: int | None = None) -> None:
@@ -93,6 +97,7 @@ def build_entries(rules: Rules, entries: list[Entry], terms: list[int], stop: in
             terms.append(rules.leaf(f"{kind}:{entry[1]}", entry[2], entry[3]))
         else:
             op, attrs, shape, dtype, children = entry
+            attrs = with_attr_terms(op, attrs, terms.__getitem__)
             terms.append(rules.literal(op, tuple(terms[c] for c in children), attrs, shape, dtype))
 
 
@@ -108,8 +113,10 @@ def transplant(source: Universe, target: Rules, roots: list[int], substitution: 
         t = stack.pop()
         if t not in needed:
             needed.add(t)
-            stack.extend(a for a in source[t].args if a not in copied)
-    for t in sorted(needed):  # arguments always have smaller ids than the terms built on them
+            below = (*source[t].args, *attr_terms(source[t].op, source[t].attrs))
+            stack.extend(a for a in below if a not in copied)
+    for t in sorted(needed):  # arguments (and terms attrs name) always have smaller ids than the terms built on them
         term = source[t]
-        copied[t] = target.literal(term.op, tuple(copied[a] for a in term.args), term.attrs, term.shape, term.dtype)
+        attrs = with_attr_terms(term.op, term.attrs, copied.__getitem__)
+        copied[t] = target.literal(term.op, tuple(copied[a] for a in term.args), attrs, term.shape, term.dtype)
     return [copied[r] for r in roots]

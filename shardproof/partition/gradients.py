@@ -13,11 +13,13 @@ so nothing is assumed.
 from __future__ import annotations
 
 from collections import Counter
+from typing import Callable
 
 from shardproof.egraph.saturate import prove_equal
 from shardproof.partition.boundary import Boundary
 from shardproof.partition.templates import Template
 from shardproof.relations.rules import Rules
+from shardproof.relations.rules.linear import attr_terms, with_attr_terms
 
 
 def over_reference_gradients(
@@ -59,9 +61,10 @@ def _proven(rules: Rules, boundary: Boundary, gradient: dict[int, int], entry: i
             else:
                 op, attrs, shape, dtype, children = found
                 parts = [candidate(c) for c in children]
-                built[e] = None if None in parts else (
-                    rules.literal(op, tuple(p[0] for p in parts), attrs, shape, dtype),
-                    _normal(rules, found, [p[1] for p in parts]),
+                named = {c: candidate(c) for c in attr_terms(op, attrs)}
+                built[e] = None if None in parts or None in named.values() else (
+                    rules.literal(op, tuple(p[0] for p in parts), with_attr_terms(op, attrs, lambda c: named[c][0]), shape, dtype),
+                    _normal(rules, found, [p[1] for p in parts], lambda c: named[c][1]),
                 )
         return built[e]
 
@@ -71,10 +74,11 @@ def _proven(rules: Rules, boundary: Boundary, gradient: dict[int, int], entry: i
     return wanted[0]
 
 
-def _normal(rules: Rules, entry: tuple, parts: list[int]) -> int:
+def _normal(rules: Rules, entry: tuple, parts: list[int], named: Callable[[int], int]) -> int:
     """The entry's op over `parts` in normal form where it is a layout op, as the rank's terms are
-    (a slice pushed into what it slices)."""
-    op, attrs, shape, dtype, _ = entry
+    (a slice pushed into what it slices); `named`: the term of an entry its attrs name."""
+    op, shape, dtype = entry[0], entry[2], entry[3]
+    attrs = with_attr_terms(op, entry[1], named)
     if op == "slice":
         return rules.slice(parts[0], attrs[0])
     if op == "cat":

@@ -17,6 +17,33 @@ from shardproof.relations.rules.regions import cat_bounds
 from shardproof.relations.rules.values import FLOAT_DTYPES, is_finite_number
 
 
+PIECES = ("piece", "max_piece", "arg_piece", "top_piece")
+# Where a piece's axis names terms (the product, table, ids or whole it is a part of), by the axis's
+# kind: ("matmul", A @ B); ("lookup", dim, table, ids); ("joint", axes); a reduction's or top k's
+# (op, dim, whole) otherwise.
+_AXIS_TERMS = {"matmul": (1,), "lookup": (2, 3)}
+
+
+def attr_terms(op: str, attrs: tuple) -> tuple[int, ...]:
+    """The terms an op's attrs name (a piece's axis): copied to another universe with it, they
+    must be copied too, and renamed (`with_attr_terms`), or the copy names unrelated terms there."""
+    found: list[int] = []
+    with_attr_terms(op, attrs, lambda t: found.append(t) or t)
+    return tuple(found)
+
+
+def with_attr_terms(op: str, attrs: tuple, rename: Callable[[int], int]) -> tuple:
+    """`attrs` with every term they name renamed (to its copy in another universe, to a boundary entry)."""
+    return (_axis_renamed(attrs[0], rename), *attrs[1:]) if op in PIECES else attrs
+
+
+def _axis_renamed(axis: Any, rename: Callable[[int], int]) -> Any:
+    if axis[0] == "joint":
+        return ("joint", tuple(sorted((_axis_renamed(a, rename) for a in axis[1]), key=repr)))
+    at = _AXIS_TERMS.get(axis[0], (2,))
+    return tuple(rename(v) if i in at else v for i, v in enumerate(axis))
+
+
 class LinearRules:
     """Sums, scales, pieces and max pieces of `Rules`."""
 
