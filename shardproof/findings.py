@@ -14,6 +14,8 @@ from typing import Callable
 from shardproof.errors import ShardproofError
 from shardproof.programs import NumericResult
 from shardproof.relations.diagnose import Finding
+from shardproof.relations.messages import UnmatchedMessage
+from shardproof.relations.mismatch import CollectiveMismatch
 
 NUMERIC_CHECK_LIMIT = 50_000_000  # reference state elements up to which a discrepancy is run numerically
 
@@ -25,11 +27,12 @@ def confirmed(numeric: Callable[[], NumericResult], findings: list[Finding], ele
     Structural faults (a partial sum used unreduced, pieces that overlap, a term counted twice)
     differ for almost all weights; a wrong-layout finding could also be a missing rule, so it
     stands only if the numbers differ. If no finding stands, the lead one turns `unknown` and says
-    why. Ranks that issue different collectives need no numbers: a real run would hang or mix tensors.
+    why. Ranks that issue different collectives, or messages that never pair, need no numbers: a
+    real run would hang or mix tensors.
     A model too large to run, or whose numeric run fails, keeps its structural faults only; a
     program that raises in its own code when run is unusable input (CaseError)."""
     lead = findings[0]
-    if lead.kind == "mismatched collectives":
+    if lead.kind in (CollectiveMismatch.kind, UnmatchedMessage.kind):
         return findings
     if elements > NUMERIC_CHECK_LIMIT:
         return _structural(findings, "model too large to run")

@@ -110,8 +110,7 @@ def _judged(
     try:
         run = run_graphs()
     except CollectiveMismatch as mismatch:
-        finding = Finding("discrepancy", "mismatched collectives", f"mismatched collectives: {mismatch}", mismatch.nodes,
-                          fix="make every rank issue the same collectives, over the same groups, in the same order")
+        finding = Finding("discrepancy", mismatch.kind, f"{mismatch.kind}: {mismatch}", mismatch.nodes, fix=mismatch.fix)
         return Proof([finding], 0, calls=calls)
     notes: list[str] = []
     findings: list[Finding] = []

@@ -1408,11 +1408,13 @@ def _recv(lo: Lowerer, tensors, group, peer: int, tag: int) -> tuple:
     return ([lo.emit("recv", (), attrs, lo.shape(v), lo.dtype(v)) for v in values], None)
 
 
-def _channel(lo: Lowerer, group: Any, peer: int, tag: int) -> tuple[int, int, tuple[int, ...]]:
+def _channel(lo: Lowerer, group: Any, peer: int, tag: int) -> tuple[Any, int, tuple[int, ...]]:
+    """(global rank of the group's rank `peer`, tag, the group's global ranks); a peer the group does not
+    have (a stage after the last) is ("no rank", peer): relations/messages.py reports the message."""
     ranks = lo.group_ranks(group)
-    if not isinstance(peer, int) or not 0 <= peer < len(ranks):
-        raise UnsupportedOp(f"a message to or from rank {peer} of a group of {len(ranks)} ranks", _at(lo.location(lo.current)))
-    return (ranks[peer], tag, ranks)
+    if not isinstance(peer, int):
+        raise UnsupportedOp(f"a message to or from rank {peer!r}", _at(lo.location(lo.current)))
+    return (ranks[peer] if 0 <= peer < len(ranks) else ("no rank", peer), tag, ranks)
 
 
 def _recv_any_source(lo: Lowerer, *args) -> None:

@@ -115,7 +115,7 @@ _SPECS = [
     OpSpec("all_to_all", "collective", None, "all_to_all_single: dim 0 cut by input splits attrs[1], piece j to member j of "
            "group attrs[2]; member p receives piece p of every member's input, output splits attrs[0] (ir/all_to_all.py)"),
     OpSpec("send", "p2p", None, "send the input to global rank attrs[0] with tag attrs[1] over the group attrs[2]; "
-           "its value is the tensor sent (relations/messages.py)"),
+           "its value is the tensor sent (relations/messages.py); attrs[0] is ('no rank', p) for a rank p the group lacks"),
     OpSpec("recv", "p2p", None, "the tensor global rank attrs[0] sends this rank with tag attrs[1] over the group "
            "attrs[2], the k-th recv of a channel pairing with its k-th send (relations/messages.py)"),
     OpSpec("call", "call", None, "output attrs[1] of a repeated module's graph attrs[0] on the inputs (shardproof.partition)"),

@@ -18,16 +18,8 @@ from shardproof.ir.graph import BOUND_LEAF_PREFIX, Graph, Node
 from shardproof.ir.ops import OPS, waits_for_peers
 from shardproof.relations.layout import box_along
 from shardproof.relations.messages import Mailbox
+from shardproof.relations.mismatch import CollectiveMismatch
 from shardproof.relations.rules import Rules
-
-
-class CollectiveMismatch(Exception):
-    """Ranks issue different collective sequences, or one collective for tensors of different
-    shapes: a real program would hang, fail or mix tensors."""
-
-    def __init__(self, message: str, nodes: list[tuple[int, Node]]):
-        super().__init__(message)
-        self.nodes = nodes
 
 
 @dataclass

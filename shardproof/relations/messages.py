@@ -15,8 +15,10 @@ its `irecv` before its `isend`, or an `irecv` issued before an `isend`, runs the
 Assumed: the program does not deadlock (a blocking `send` before a blocking `recv` on both sides
 may hang with some backends; the values would be the ones proven).
 
-Unusable input, never a discrepancy: a `recv` whose channel no rank ever sends on (the real program
-hangs), a message received into a buffer of another shape or dtype, or a message never received.
+A discrepancy of its own kind (`unmatched message`), found without numbers, at the send or recv to
+change: a `recv` whose channel no rank ever sends on (the real program hangs there), a message
+received into a buffer of another shape or dtype, a message never received, a peer that is no rank
+of the group. The user's program does not run as written: they want the line, not a refusal.
 """
 
 from __future__ import annotations
@@ -25,15 +27,18 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from shardproof.errors import ShardproofError
 from shardproof.ir.graph import Graph, Node
 from shardproof.ir.ops import OPS, waits_for_peers
+from shardproof.relations.mismatch import CollectiveMismatch
 
 Channel = tuple[tuple[int, ...], int, int, int]  # (group, source, destination, tag), ranks global
 
 
-class UnmatchedMessage(ShardproofError):
+class UnmatchedMessage(CollectiveMismatch):
     """A send and a recv that do not pair up: a real run hangs or reads the wrong bytes."""
+
+    kind = "unmatched message"
+    fix = "pair every recv with a send of the same shape and dtype, in the same order, between ranks of the group"
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,7 @@ class Mailbox:
         for r in waiting:
             graph = ranks[r]
             while cursors[r] < len(graph.nodes) and OPS[(node := graph.nodes[cursors[r]]).op].kind == "p2p":
+                _check_peer(r, node)
                 if node.op == "send":
                     term = terms[r][node.inputs[0]]
                     if node.id in self.ahead[r]:
@@ -86,7 +92,7 @@ class Mailbox:
                 return UnmatchedMessage(
                     f"rank {r} waits to receive a tensor of shape {tuple(node.shape)} from rank {source} (tag "
                     f"{node.attrs[1]}) at {_site(node)}, but rank {source} sends it nothing more on that channel and "
-                    f"{doing}: a real run hangs there. Pair every recv with a send of the same shape, in the same order")
+                    f"{doing}: a real run hangs there", [(r, node)] + ([(source, there)] if there is not None else []))
         return None
 
     def check_delivered(self) -> None:
@@ -96,7 +102,8 @@ class Mailbox:
                 message = queue[0]
                 raise UnmatchedMessage(
                     f"rank {source} sends a tensor of shape {tuple(message.node.shape)} to rank {destination} (tag {tag}) "
-                    f"at {_site(message.node)} that rank {destination} never receives: pair every send with a recv")
+                    f"at {_site(message.node)} that rank {destination} never receives: a real run hangs or loses it",
+                    [(source, message.node)])
 
     def _post(self, rank: int, node: Node, term: int) -> None:
         self.queues[_channel(node, rank, sending=True)].append(_Message(term, rank, node))
@@ -111,7 +118,8 @@ class Mailbox:
             raise UnmatchedMessage(
                 f"rank {rank} receives into a {node.dtype} tensor of shape {tuple(node.shape)} at {_site(node)} what rank "
                 f"{message.sender} sends as a {sent.dtype} tensor of shape {tuple(sent.shape)} at {_site(sent)}: "
-                "the k-th recv of a channel receives its k-th send; make their shapes and dtypes agree")
+                "the k-th recv of a channel receives its k-th send; a real run fails or reads the wrong bytes",
+                [(rank, node), (message.sender, sent)])
         return message
 
     def _post_ahead(self, rank: int, graph: Graph, terms: Sequence[int], cursor: int) -> bool:
@@ -129,6 +137,18 @@ class Mailbox:
             self.ahead[rank].add(node.id)
             posted = True
         return posted
+
+
+def _check_peer(rank: int, node: Node) -> None:
+    """A message to or from a rank its group does not have (the next stage after the last): a real
+    run fails or hangs there."""
+    peer, _, group = node.attrs
+    if isinstance(peer, tuple):  # ("no rank", the group rank asked for): see ir/from_fx.py
+        direction = "to" if node.op == "send" else "from"
+        raise UnmatchedMessage(
+            f"rank {rank} {'sends a' if node.op == 'send' else 'receives a'} tensor of shape {tuple(node.shape)} "
+            f"{direction} rank {peer[1]} at {_site(node)}, but its group {list(group)} has no rank {peer[1]} "
+            f"(group ranks 0 to {len(group) - 1}): a real run fails or hangs there", [(rank, node)])
 
 
 def _channel(node: Node, rank: int, sending: bool) -> Channel:
