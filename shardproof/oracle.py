@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import AllgatherOptions, ReduceScatterOptions
+from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, ReduceScatterOptions
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss as loss_module
@@ -278,8 +278,11 @@ def _flat_buffer_collectives() -> Iterator[None]:
     memory, whatever their shapes. The threaded group chunks the shaped buffer along dim 0
     instead, which differs (and fails) when the output is not the inputs stacked on dim 0. A
     reduce-scatter reads every input before it writes an output, so one in place (the output a
-    chunk of the rank's own input, Megatron's gradient buffers) sums the inputs as they were."""
-    originals = ProcessLocalGroup.all_gather_single, ProcessLocalGroup.reduce_scatter_single
+    chunk of the rank's own input, Megatron's gradient buffers) sums the inputs as they were. A
+    reduce-scatter with MAX, MIN or PRODUCT (the threaded group has only SUM and AVG; gloo has them
+    all) is an all-reduce of every chunk of which the rank keeps its own."""
+    originals = ProcessLocalGroup.all_gather_single, ProcessLocalGroup.reduce_scatter_single, ProcessLocalGroup.reduce_scatter
+    summing = (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
 
     def all_gather_single(self, output, input_, opts=AllgatherOptions()):
         chunks = list(output.view(-1).chunk(self._world_size))
@@ -288,11 +291,22 @@ def _flat_buffer_collectives() -> Iterator[None]:
     def reduce_scatter_single(self, output, input_, opts=ReduceScatterOptions()):
         return self.reduce_scatter([output.view(-1)], [list(input_.reshape(-1).clone().chunk(self._world_size))], opts)
 
-    ProcessLocalGroup.all_gather_single, ProcessLocalGroup.reduce_scatter_single = all_gather_single, reduce_scatter_single
+    def reduce_scatter(self, output_tensor, scatter_list, opts=ReduceScatterOptions()):
+        if opts.reduceOp in summing or len(output_tensor) != 1:
+            return originals[2](self, output_tensor, scatter_list, opts)
+        chunks = torch.stack([chunk.detach() for chunk in scatter_list[0]])
+        reducing = AllreduceOptions()
+        reducing.reduceOp = opts.reduceOp
+        work = self.allreduce([chunks], reducing)
+        output_tensor[0].detach().copy_(chunks[self._rank])
+        return work
+
+    (ProcessLocalGroup.all_gather_single, ProcessLocalGroup.reduce_scatter_single,
+     ProcessLocalGroup.reduce_scatter) = all_gather_single, reduce_scatter_single, reduce_scatter
     try:
         yield
     finally:
-        ProcessLocalGroup.all_gather_single, ProcessLocalGroup.reduce_scatter_single = originals
+        ProcessLocalGroup.all_gather_single, ProcessLocalGroup.reduce_scatter_single, ProcessLocalGroup.reduce_scatter = originals
 
 
 @contextmanager

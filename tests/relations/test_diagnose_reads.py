@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardproof import verify
-from shardproof.case import Case
+from shardproof.case import Case, load_case
 from shardproof.oracle import run_numeric
 
 HIDDEN, FFN, VOCAB = 8, 16, 12
@@ -198,3 +198,18 @@ def test_a_buffer_no_reduce_scatter_filled_is_found_at_the_sum_it_should_have_sc
 def _row_parallel(state: dict, rank: int, world_size: int) -> dict:
     return {"up.weight": state["up.weight"].chunk(world_size, 0)[rank],
             "down.weight": state["down.weight"].chunk(world_size, 1)[rank]}
+
+
+def test_a_max_reduce_scatter_of_flat_gradients_is_a_wrong_reduce_op_where_ops_before_it_are_unrelated(tmp_path) -> None:
+    """ZeRO's reduce-scatter of the flattened gradients with MAX: the flat master copy's views
+    before it relate to nothing by themselves, and the reduce-scatter is still named. The oracle's
+    threaded group runs a MAX reduce-scatter as gloo does."""
+    example = Path(__file__).parents[2] / "examples" / "mlp_dp_zero.py"
+    buggy = tmp_path / "mlp_dp_zero.py"
+    buggy.write_text(example.read_text().replace("op=dist.ReduceOp.AVG)", "op=dist.ReduceOp.MAX)  # BUG"))
+    report = verify(buggy)
+    assert report.verdict == "discrepancy" and report.kind == "wrong reduce op", report.diagnosis
+    assert "# BUG" in report.distributed[0].code and "only with ReduceOp.SUM" in report.diagnosis
+    assert not run_numeric(load_case(buggy), 2).agree
+    fixed = load_case(example)
+    assert verify(fixed).verdict == "equivalent" and run_numeric(fixed, 2).agree

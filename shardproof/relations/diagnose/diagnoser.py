@@ -74,6 +74,7 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
             rank, node, chain = divergence
             found = (
                 self._uninitialised_read(rank, chain)
+                or self._misreduced(rank, chain)
                 or self._misassembled_input(rank, node)
                 or self._overlapping_gather(rank, chain)
                 or self._mixing_reshape(rank, chain)

@@ -43,6 +43,12 @@ def _unused_like(graph: Graph, buffers: list[Node], world_size: int) -> Node | N
 class CollectiveOperands:
     """Divergences explained by what a collective or an op is handed."""
 
+    def _misreduced(self, rank: int, chain: list[Node]) -> Finding | None:
+        """The first reduction of the chain whose op does not combine the parts it holds: found
+        wherever it stands, since the ops before it may disagree only for want of a rule (a
+        flattened gradient buffer's view)."""
+        return next((found for node in chain if (found := self._wrong_reduce_op(rank, node)) is not None), None)
+
     def _wrong_reduce_op(self, rank: int, node: Node) -> Finding | None:
         """A reduction whose op does not combine the parts its inputs hold: shares of a sum need
         SUM (or AVG, a scaled sum), partial maxima need MAX."""
