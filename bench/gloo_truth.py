@@ -186,4 +186,4 @@ def _in_collective(err: BaseException) -> bool:
 
     text = str(err)
     return isinstance(err, dist.DistBackendError) or any(
-        marker in text for marker in ("Connection closed by peer", "Timed out", "gloo", "Gloo", "Broken pipe"))
+        marker in text for marker in ("Connection closed by peer", "Timed out", "Wait timeout", "gloo", "Gloo", "Broken pipe"))

@@ -213,3 +213,19 @@ def test_a_max_reduce_scatter_of_flat_gradients_is_a_wrong_reduce_op_where_ops_b
     assert not run_numeric(load_case(buggy), 2).agree
     fixed = load_case(example)
     assert verify(fixed).verdict == "equivalent" and run_numeric(fixed, 2).agree
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_partial_maxima_gathered_over_ranks_and_reduced_over_tokens_are_a_wrong_reduce_dim(tmp_path, world_size: int) -> None:
+    """A greedy head over vocab shards: each rank's best logit per token, gathered into (ranks,
+    tokens), must be compared over the ranks (dim 0); over the tokens it combines nothing."""
+    fixed_file = Path(__file__).parents[1] / "cases" / "greedy-argmax-funcol_fixed.py"
+    buggy = tmp_path / "greedy_head.py"
+    buggy.write_text(fixed_file.read_text().replace("bests.argmax(dim=0, keepdim=True), dim=0)[0]",
+                                                    "bests.argmax(dim=1, keepdim=True), dim=0)[0]  # BUG"))
+    report = verify(buggy, world_size=world_size)
+    assert report.verdict == "discrepancy" and report.kind == "wrong reduce dim", report.diagnosis
+    assert "# BUG" in report.distributed[0].code and "along dim 0" in report.fix, report.fix
+    assert not run_numeric(load_case(buggy), world_size).agree
+    fixed = load_case(fixed_file)
+    assert verify(fixed, world_size=world_size).verdict == "equivalent" and run_numeric(fixed, world_size).agree

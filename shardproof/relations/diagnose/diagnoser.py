@@ -75,6 +75,7 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
             found = (
                 self._uninitialised_read(rank, chain)
                 or self._misreduced(rank, chain)
+                or self._reduced_across(rank, chain)
                 or self._misassembled_input(rank, node)
                 or self._overlapping_gather(rank, chain)
                 or self._mixing_reshape(rank, chain)

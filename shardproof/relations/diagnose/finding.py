@@ -23,6 +23,7 @@ KINDS = {
     "wrong axis": "shards are concatenated along another dim than they were split on",
     "mismatched collectives": "ranks issue different collectives: a real run would hang or mix tensors",
     "unmatched message": "a send or recv no rank pairs with (a recv nobody sends to, a send nobody receives, another shape, a rank that does not exist): a real run hangs or reads the wrong bytes",
+    "wrong reduce dim": "the ranks' partial results, gathered along one dim, are reduced along another: they are never combined",
     "wrong reduce op": "a collective reduces with another op than the values need (MAX of shares of a sum, SUM of partial maxima, SUM where AVG gives the reference's scale)",
     "uninitialised memory read": "an op reads a buffer (torch.empty) that nothing wrote: a collective meant to fill it is missing",
     "missing backward step": "a forward line's backward computes nothing on a rank where the reference's does",

@@ -14,6 +14,9 @@ from shardproof.relations.rules.topk import POSITIONS, call_of
 from shardproof.report.terms import describe, line_of, region, value_name
 
 
+_REDUCTIONS = ("sum", "amax", "argmax")  # over dims attrs[0], keepdim attrs[1]
+
+
 class LayoutFaults:
     """Operands holding the wrong data, or the right data in the wrong layout."""
 
@@ -25,6 +28,42 @@ class LayoutFaults:
                 found.distributed.append((rank, node))
                 return found
         return None
+
+    def _reduced_across(self, rank: int, chain: list[Node]) -> Finding | None:
+        """A reduction of the ranks' partial results, joined along one dim (gathered, stacked), that
+        reduces along another: it never combines them (the best of each rank's candidates picked
+        over tokens instead of over ranks). Found at the reduction."""
+        terms = self.run.ranks[rank]
+        for node in chain:
+            if node.op not in _REDUCTIONS:
+                continue
+            rank_of_input = len(self.ranks[rank][node.inputs[0]].shape)
+            dims = {d % rank_of_input for d in node.attrs[0]}
+            joined = self._joined_partials(terms[node.inputs[0]])
+            if joined is None or joined in dims:
+                continue
+            value = value_name(self.ranks[rank][node.inputs[0]])
+            return Finding(
+                "discrepancy",
+                "wrong reduce dim",
+                f"wrong reduce dim: `{node.op}` reduces {value} along dim {sorted(dims)}, but {value} joins the ranks' "
+                f"partial results along dim {joined}: they are never combined",
+                [(rank, node)],
+                op=node.op,
+                fix=f"reduce along dim {joined}, the dim the ranks' parts are joined along, at {line_of(node)}",
+            )
+        return None
+
+    def _joined_partials(self, t: int) -> int | None:
+        """The dim along which `t` joins partial results (pieces of a sum or max over ranks), each
+        part possibly reshaped (a dim inserted to stack them)."""
+        term = self.r.u[t]
+        if term.op == "view" and self.r.u[term.args[0]].op == "cat":
+            return None  # a flat buffer viewed: which dim joins is not read off here
+        if term.op != "cat" or len(term.args) < 2:
+            return None
+        parts = [self.r.u[a].args[0] if self.r.u[a].op == "view" else a for a in term.args]
+        return term.attrs[0] if all(self.partial(a) for a in parts) else None
 
     def _wrong_axis_finding(self, rank: int, node: Node) -> Finding | None:
         axes = self._wrong_axis(self.run.ranks[rank][node.id])
