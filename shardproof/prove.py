@@ -126,13 +126,21 @@ def _judged(
             unproven = [(r, i) for r, i in unproven if not unreduced(run.rules, run.ranks[r][by_rank[r].outputs[i]])]
         if unproven:
             diagnoser = diagnoser or Diagnoser(run, reference, ranks)
-            finding = diagnoser.diagnose(unproven)
+            finding = diagnoser.diagnose(unproven, _expected_terms(run, ranks, check, unproven))
             if finding.verdict == "unknown" and claims:
                 finding = _misshapen(diagnoser, reference, ranks, check, unproven) or finding
             findings.append(_about(check, finding, named=len(checks) > 1))
     findings.sort(key=lambda f: f.verdict != "discrepancy")
     notes.extend(sorted(run.rules.assumptions))
     return Proof(findings, len(run.rules.u), notes, calls, [c.label for c in checks[checked:]])
+
+
+def _expected_terms(run: Execution, ranks: list[Graph], check: Check, unproven: list[tuple[int, int]]) -> dict[tuple[int, int], int]:
+    """The term each unproven rank output must equal, where the claim names one per rank."""
+    if check.relation != "rank":
+        return {}
+    by_rank = {g.rank: g for g in ranks}
+    return {(r, i): run.ranks[r][by_rank[r].outputs[check.expected]] for r, i in unproven}
 
 
 def _misshapen(diagnoser: Diagnoser, reference: Graph, ranks: list[Graph], check: Check, unproven: list[tuple[int, int]]) -> Finding | None:

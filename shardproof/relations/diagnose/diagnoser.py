@@ -67,8 +67,13 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
         return unreduced(self.r, t)
 
     # --- entry --------------------------------------------------------------------------------------
-    def diagnose(self, mismatched_outputs: list[tuple[int, int]]) -> Finding:
-        """`mismatched_outputs`: (rank, output index) pairs whose value was not proven."""
+    def diagnose(self, mismatched_outputs: list[tuple[int, int]], expected: dict[tuple[int, int], int] | None = None) -> Finding:
+        """`mismatched_outputs`: (rank, output index) pairs whose value was not proven; `expected`,
+        where known, the term each of them must equal."""
+        for (rank, index), wanted in (expected or {}).items():
+            scaled = self._prescaled_share(rank, self.ranks[rank][self.ranks[rank].outputs[index]], wanted)
+            if scaled is not None:
+                return scaled
         divergence = self._first_divergence(mismatched_outputs)
         if divergence is not None:
             rank, node, chain = divergence

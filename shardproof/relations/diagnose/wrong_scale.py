@@ -8,10 +8,11 @@ from fractions import Fraction
 from typing import Any
 
 from shardproof.ir.graph import Node
-from shardproof.relations.diagnose.agreement import LAYOUT_TERMS
+from shardproof.ir.ops import OPS
+from shardproof.relations.diagnose.agreement import LAYOUT_OPS, LAYOUT_TERMS
 from shardproof.relations.diagnose.finding import Finding
 from shardproof.relations.rules import Rules
-from shardproof.report.terms import describe, line_of
+from shardproof.report.terms import describe, line_of, value_name
 
 
 class ScaleFaults:
@@ -54,6 +55,46 @@ class ScaleFaults:
             factor = _normalising(self.r.full_value(terms[n.id])) if n.op in ("div", "mul") else None
             if factor is not None and factor != want:
                 return n, factor
+        return None
+
+    def _prescaled_share(self, rank: int, node: Node, expected: int) -> Finding | None:
+        """A rank's output `node` that is k != 1 times the term it must equal, reached from its last
+        computation through moves, collectives and a scaling by a constant (a gradient divided
+        before its reduce-scatter, as Megatron's gradient_scaling_factor does): that constant is the
+        wrong one, whatever the reduction after it (a SUM of shares each divided by the group's size
+        is an average written by hand, not a reduce op to change)."""
+        (base, have), (wanted, want) = self.r.common_factor(self.run.ranks[rank][node.id]), self.r.common_factor(expected)
+        if base != wanted or have == want:
+            return None
+        scaling = self._tail_scaling(rank, node)
+        if scaling is None:
+            return None
+        op, by = scaling
+        factor = have / want
+        return Finding(
+            "discrepancy",
+            "wrong scale",
+            f"wrong scale (x{factor}): rank {rank}'s value is {factor} times the reference's; it is scaled by {by} "
+            f"at {line_of(op)} on its way here",
+            [(rank, op), (rank, node)],
+            scale=factor,
+            fix=f"scale by {by / factor} instead of {by} at {line_of(op)}",
+        )
+
+    def _tail_scaling(self, rank: int, node: Node) -> tuple[Node, Fraction] | None:
+        """The last op multiplying (or dividing) by a constant on the way back from `node` through
+        ops that only move one operand's elements or reduce over ranks, with the factor it applies."""
+        graph, terms = self.ranks[rank], self.run.ranks[rank]
+        while OPS[node.op].kind == "collective" or node.op in LAYOUT_OPS - {"cat"} or node.op in ("mul", "div"):
+            if node.op in ("mul", "div"):
+                values = [self.r.full_value(terms[i]) for i in node.inputs]
+                if len(values) != 2 or (values[0] is None) == (values[1] is None) or node.op == "div" and values[1] is None:
+                    return None  # no constant factor (or nothing but constants)
+                constant = values[1] if values[1] is not None else values[0]
+                if not _number(constant):
+                    return None
+                return node, Fraction(constant).limit_denominator(1 << 20) ** (-1 if node.op == "div" else 1)
+            node = graph[node.inputs[0]]
         return None
 
     def _double_reduction(self, rank: int, node: Node) -> Finding | None:
@@ -133,6 +174,10 @@ class ScaleFaults:
             and any(c != 1 for c in term.attrs[0])
             and all(self.r.in_reference(a) for a in term.args)
         )
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float, Fraction)) and not isinstance(value, bool) and value != 0
 
 
 def _weights(r: Rules, t: int) -> dict[Any, Fraction]:
