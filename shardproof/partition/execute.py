@@ -232,8 +232,9 @@ def _over_boundary(
     leaves = [terms[i] for i, entry in enumerate(boundary.entries) if entry[0] == "cut"]
     leaves += [terms[i] for i, entry in enumerate(boundary.entries) if entry[0] == "free"]
     ref_outputs = [ref_terms[i] for i in ref_graph.outputs]
+    frees = frozenset(leaves[len(boundary.cuts) :])
     rank_outputs = [
-        over_reference_gradients(rules, boundary, (reference, ref_outputs), (template, r, [terms_r[i] for i in g.outputs]))
+        over_reference_gradients(rules, boundary, (reference, ref_outputs), (template, r, [terms_r[i] for i in g.outputs]), frees)
         for r, (template, g, terms_r) in enumerate(zip(ranks, graphs, rank_terms))
     ]
     return CallProof(rules, leaves, ref_outputs, rank_outputs)

@@ -27,10 +27,11 @@ def over_reference_gradients(
     boundary: Boundary,
     reference: tuple[Template, list[int]],
     rank: tuple[Template, int, list[int]],
+    frees: frozenset[int],
 ) -> list[int]:
     """The rank's outputs (`rank`: its VJP template, its index in the boundary, its output terms),
     each replaced by its candidate where the two are proven equal. `reference`: the reference's VJP
-    template and output terms."""
+    template and output terms. `frees`: the terms of the boundary's free leaves."""
     template, index, outputs = rank
     ref_template, ref_outputs = reference
     if template.gradient_of is None or ref_template.gradient_of is None:
@@ -43,8 +44,17 @@ def over_reference_gradients(
     }
     args = boundary.rank_args[index]
     return [
-        _proven(rules, boundary, gradient, args[arg], out) for arg, out in zip(template.gradient_of, outputs)
+        out if _reads(rules, out, frees) else _proven(rules, boundary, gradient, args[arg], out)
+        for arg, out in zip(template.gradient_of, outputs)
     ]
+
+
+def _reads(rules: Rules, out: int, frees: frozenset[int]) -> bool:
+    """Whether `out` is built over a free leaf: a value the boundary did not write over the
+    reference's arguments (the rank's own gradient coming in, say). A candidate is built over the
+    reference's gradients, which read cut leaves only, so saturation cannot prove the two equal
+    (it fails after a run of up to a second): the attempt is not made."""
+    return bool(frees) and not frees.isdisjoint(rules.u.reachable(out))
 
 
 def _proven(rules: Rules, boundary: Boundary, gradient: dict[int, int], entry: int, out: int) -> int:
