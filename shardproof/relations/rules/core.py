@@ -27,6 +27,7 @@ class Rules(RegionRules, ViewRules, LinearRules):
         self._built: dict[tuple, int] = {}  # (op, args, attrs, shape, dtype) -> term
         self.attentions: dict[int, tuple[int, int]] = {}  # merged attention term -> (scores, values) (`online_softmax`)
         self.constant_terms: dict[int, bool] = {}  # term -> computed from constants alone (`of_constants`)
+        self.unsliced: dict[tuple, int | None] = {}  # (term, box, shape, reference size) -> `unslice`'s answer, once the reference is built
         self.assumptions: set[str] = set()  # what a proof using these terms takes for granted (in words)
 
     def in_reference(self, t: int) -> bool:

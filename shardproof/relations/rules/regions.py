@@ -240,7 +240,17 @@ class RegionRules:
         return None
 
     def unslice(self, t: int, box: Box, global_shape: tuple[int, ...]) -> int | None:
-        """A term X of `global_shape` with X[box] == t, if the normal form shows one."""
+        """A term X of `global_shape` with X[box] == t, if the normal form shows one. Once the
+        reference is built (its boxes then fixed) the answer depends on the arguments alone, and
+        is kept: ranks sharing a tensor (the ranks of one replicated kv head) ask for the same."""
+        if self.reference_size is None:
+            return self._unslice(t, box, tuple(global_shape))
+        key = (t, box, tuple(global_shape), self.reference_size)
+        if key not in self.unsliced:
+            self.unsliced[key] = self._unslice(t, box, tuple(global_shape))
+        return self.unsliced[key]
+
+    def _unslice(self, t: int, box: Box, global_shape: tuple[int, ...]) -> int | None:
         if box == full_box(global_shape):
             return t if self.shape(t) == tuple(global_shape) else None
         term = self.u[t]
@@ -371,10 +381,13 @@ class RegionRules:
                 continue
             # one row repeated along the whole dim is also that row broadcast (the size-1 head dim
             # of a rotary table meeting 8 query heads)
-            broadcast = [self.expand(inner, global_shape)] if rows == 1 else []
-            for candidate in [self.repeat(inner, dim, times), *broadcast]:
-                if self.in_reference(candidate):
-                    return candidate
+            repeated = self.repeat(inner, dim, times)
+            if self.in_reference(repeated):
+                return repeated
+            if rows == 1:  # built only when needed: a broadcast's view normalizes slowly (~1 ms)
+                broadcast = self.expand(inner, global_shape)
+                if self.in_reference(broadcast):
+                    return broadcast
         return None
 
     def repeat(self, x: int, dim: int, times: int) -> int:
