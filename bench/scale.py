@@ -4,7 +4,8 @@ Sweeps of issue 5: world sizes 8, 16, 64 at the full 126 layers, and depths 1, 2
 at TP=8. Each configuration runs twice, each time in a fresh spawned child (so peak RSS is its
 own): with memoization (the default) and without it (every layer traced and proven), the latter
 bounded by --baseline-timeout. Prints one table, then the ratios the issue sets targets for.
-`--train`: the same sweeps for one training step (loss and every gradient) of the same case.
+`--train`: the same sweeps for one training step (loss and every gradient) of the same case;
+`--preset llama3.1-405b-kv64` (64 kv heads) trains at 64 ranks.
 Run `python bench/scale.py --help`; columns are described in bench/README.md.
 """
 
@@ -87,6 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--baseline-timeout", type=float, default=600.0, help="seconds for a run without memoization")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds for a run with memoization")
     parser.add_argument("--backend", default="none", help="where ranks are traced (default: in the child itself)")
+    parser.add_argument("--preset", default=PRESET, help=f"a PRESETS entry of the case (default {PRESET}); n_layers overridden")
     parser.add_argument("--batch", type=int, help="override the preset's batch size (its shapes otherwise)")
     parser.add_argument("--train", action="store_true", help="one training step instead of the forward")
     parser.add_argument("--markdown", action="store_true", help="emit markdown tables")
@@ -104,13 +106,13 @@ def main(argv: list[str] | None = None) -> None:
     for (ws, layers), sweeps in plan.items():
         sweep = "+".join(sweeps)
         options = {"backend": args.backend, "batch": args.batch, "mode": "train" if args.train else "forward", "case_file": CASE}
-        memo = run_configuration(ws, layers, PRESET, args.timeout, memo=True, **options)
-        base = run_configuration(ws, layers, PRESET, args.baseline_timeout, memo=False, **options)
+        memo = run_configuration(ws, layers, args.preset, args.timeout, memo=True, **options)
+        base = run_configuration(ws, layers, args.preset, args.baseline_timeout, memo=False, **options)
         measured.append(Measured(sweep, memo, base, args.baseline_timeout))
         print(f"{sweep} ws={ws} layers={layers}: {memo.verdict} {fmt(memo.total, '.1f')} s", file=sys.stderr, flush=True)
     batch = f", batch {args.batch}" if args.batch else ""
     step = ", one training step" if args.train else ""
-    print(f"examples/llama_tp.py{step}, preset {PRESET}, n_layers overridden{batch}; backend {args.backend}\n")
+    print(f"examples/llama_tp.py{step}, preset {args.preset}, n_layers overridden{batch}; backend {args.backend}\n")
     print(render(HEADERS, [m.cells() for m in measured], args.markdown) + "\n")
     lines = target_lines(measured)
     if lines:

@@ -27,11 +27,13 @@ n_kv_heads divisible by the world size: a kv head replicated over ranks (vLLM's 
 gets only its own rank's share of the gradient, and shardproof reports that missing reduction
 (SMALL at world size 4, say).
 
-`shardproof --preset llama3-8b` (or llama3.1-405b) replaces the module global CONFIG; every
+`shardproof --preset llama3-8b` (or llama3.1-405b, or llama3.1-405b-kv64) replaces the module global CONFIG; every
 function below reads CONFIG when called.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -52,6 +54,8 @@ from llama_reference import (
 
 CONFIG = SMALL
 PRESETS = dict(PRESETS)
+# 405B's shapes with 64 kv heads: trains at 64 ranks, one kv head each (the real 8 train up to 8 ranks)
+PRESETS["llama3.1-405b-kv64"] = replace(PRESETS["llama3.1-405b"], n_kv_heads=64)
 WORLD_SIZE = 2
 OUTPUT = "replicate"
 
