@@ -197,7 +197,9 @@ def _carried(rules: Rules, proof: CallProof, reference: ReferenceCall, frees: li
     its free leaves `frees`, its reference outputs the reference call's."""
     substitution = dict(zip(proof.leaves, list(dict.fromkeys(reference.args)) + frees))
     substitution.update(zip(proof.reference_outputs, reference.outputs))
-    return [transplant(proof.rules.u, rules, outs, substitution) for outs in proof.rank_outputs]
+    # all ranks at once: what they share (a replicated output, the reference's terms) is copied once
+    copied = iter(transplant(proof.rules.u, rules, [t for outs in proof.rank_outputs for t in outs], substitution))
+    return [[next(copied) for _ in outs] for outs in proof.rank_outputs]
 
 
 def _pattern(terms: list[int]) -> tuple[int, ...]:
