@@ -4,7 +4,10 @@ PyTorch keeps, for DTensor, a sharding strategy per op: which placements of the 
 placement of the output without moving data. A strategy that keeps a `Partial(sum)` operand
 partial (the others replicated) says the op is linear in that operand: op(a + b, rest) =
 op(a, rest) + op(b, rest). Row gathers (`index`, `index_select`), writes of rows into zeros
-(`index_put`, `index_add`) and many more are linear so, and no rule of ours names them.
+(`index_put`, `index_add`) and many more are linear so, and no rule of ours names them. A strategy
+that maps operands sharded on a dim (the others replicated) to an output sharded on that dim
+says each block of the output is the op on the operands' blocks: op(X)[rows] = op(X[rows]) (a
+router's `topk` over each token's experts, on a rank's tokens).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, RuntimeSchemaInfo
 
@@ -24,23 +27,39 @@ Inputs = tuple[tuple[tuple[int, ...], str], ...]  # (shape, dtype) of each tenso
 
 
 @functools.lru_cache(maxsize=4096)
+def blockwise_along(op: str, attrs: Attrs, inputs: Inputs, sharded: frozenset[int], dim: int) -> bool:
+    """Whether DTensor computes op's output (at the attrs' output path) sharded on `dim`, with no
+    redistribution, from the operands `sharded` sharded on `dim` and the rest replicated: then
+    each block of the output along `dim` is the op on the operands' blocks."""
+    out = _propagated(op, attrs, inputs, lambda i: Shard(dim) if i in sharded else Replicate())
+    return out is not None and out.placements == (Shard(dim),)
+
+
+@functools.lru_cache(maxsize=4096)
 def linear_in(op: str, attrs: Attrs, inputs: Inputs, partial: frozenset[int]) -> bool:
     """Whether DTensor computes op's output (at the attrs' output path) as `Partial(sum)`, with no
     redistribution, from the operands `partial` as `Partial(sum)` and the rest replicated: then
     op is linear in those operands jointly."""
+    out = _propagated(op, attrs, inputs, lambda i: Partial() if i in partial else Replicate())
+    return out is not None and out.placements == (Partial(),)
+
+
+def _propagated(op: str, attrs: Attrs, inputs: Inputs, placement: Any) -> DTensorSpec | None:
+    """The output spec (at the attrs' output path) DTensor propagates from operand i placed as
+    `placement(i)`; None where it has no strategy or must move data first."""
     mesh = _mesh()
-    specs = [_spec(mesh, shape, dtype, Partial() if i in partial else Replicate()) for i, (shape, dtype) in enumerate(inputs)]
+    specs = [_spec(mesh, shape, dtype, placement(i)) for i, (shape, dtype) in enumerate(inputs)]
     args, kwargs, path = attrs
     target = overload(op)
     try:
         schema = OpSchema(target, tuple(fill(args, specs)), {k: fill(v, specs) for k, v in kwargs}, schema_info=_schema_info(target, args))
         sharding = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding(schema)
     except Exception:  # noqa: BLE001 - no strategy for the op (or these arguments): nothing known
-        return False
+        return None
     out = sharding.output_spec
     for index in path:
         out = out[index] if isinstance(out, (tuple, list)) else None
-    return not sharding.needs_redistribute and isinstance(out, DTensorSpec) and out.placements == (Partial(),)
+    return out if not sharding.needs_redistribute and isinstance(out, DTensorSpec) else None
 
 
 @functools.lru_cache(maxsize=1)

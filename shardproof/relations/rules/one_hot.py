@@ -10,6 +10,7 @@ from fractions import Fraction
 from typing import TYPE_CHECKING
 
 from shardproof.relations.assume import rebuild
+from shardproof.relations.rules.blocks import of_blocks
 from shardproof.relations.rules.lookups import is_shift_of
 from shardproof.relations.rules.masks import range_masks
 from shardproof.relations.rules.values import FLOAT_DTYPES, is_finite_number
@@ -24,6 +25,10 @@ def scatter(r: Rules, op: str, args, attrs, shape, dtype) -> int:
     one-hot of the ids in its range [lo, hi) is the [lo, hi) slice of the one-hot over the axis."""
     base, index, src = args
     (dim,) = attrs
+    rows = of_blocks(r, args, shape, lambda wholes, blocks, cut, whole_shape: r.build(op, wholes, attrs, whole_shape, dtype)
+                     if len(blocks) == 3 and cut != dim else None)  # each line across `dim` written from its own
+    if rows is not None:
+        return rows
     if r.shape(index)[dim] != 1:
         return r.literal(op, args, attrs, shape, dtype)
     zeros = r.literal("full", (), (0.0 if dtype in FLOAT_DTYPES else 0,), shape, dtype)

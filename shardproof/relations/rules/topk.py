@@ -15,6 +15,7 @@ from fractions import Fraction
 from typing import TYPE_CHECKING
 
 from shardproof.ir.aten_ops import Operand, argument, overload
+from shardproof.relations.rules.open_linear import by_blocks
 
 if TYPE_CHECKING:
     from shardproof.relations.rules.core import Rules
@@ -43,7 +44,8 @@ class Call:
 def topk(r: Rules, args, attrs, shape, dtype) -> int:
     """torch.topk in one spelling (every argument given, dim non-negative), then: over a shard
     [lo, hi) of its axis (whole on the others), the top k of the whole axis' piece (positions less
-    lo); over the ranks' top candidates joined along the axis, the top k of their union's piece."""
+    lo); over the ranks' top candidates joined along the axis, the top k of their union's piece;
+    else an open op (a rank's rows of tokens: the rows of the whole's top k)."""
     target = overload(TOPK)
     call = Call(args[0], argument(target, attrs, "k"), argument(target, attrs, "dim") % len(r.shape(args[0])),
                 bool(argument(target, attrs, "largest")), bool(argument(target, attrs, "sorted")), attrs[2])
@@ -53,6 +55,8 @@ def topk(r: Rules, args, attrs, shape, dtype) -> int:
     if found is None and call.largest and call.sorted and call.path == VALUES:
         parts = candidates(r, call.x, call.dim)
         found = None if parts is None else _top_of(r, parts, call, shape, dtype, VALUES)
+    # a rank's rows of the reference's scores: those rows of its top k (candidates' laws meet the rest)
+    found = by_blocks(r, TOPK, args, attrs, shape, dtype, of_reference=True) if found is None else found
     return found if found is not None else r.literal(TOPK, args, attrs, shape, dtype)
 
 
