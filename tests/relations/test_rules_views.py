@@ -499,3 +499,30 @@ def test_one_of_interleaved_pairs_of_permuted_heads_is_that_entry_of_each_pair(t
     b.check(y)
     entry = b.box(split, ((0, tokens), (h0, h1), (0, pairs), (k, k + 1)))
     assert y.term == b.permute(b.view(entry, (tokens, h1 - h0, pairs)), (1, 0, 2)).term
+
+
+@given(st.integers(1, 2), st.integers(2, 4), st.integers(2, 4), st.integers(1, 3), st.data())
+def test_view_of_one_block_moved_behind_other_dims_is_that_block_permuted(tokens, blocks, width, d, data):
+    """X(batch, tokens, blocks*w, d) viewed (batch, tokens, blocks, w, d), permuted to (batch, w,
+    blocks, tokens, d), block k taken and its unit dim dropped (heads moved ahead of the sequence
+    for Ulysses' exchange) is X's heads [k*w:(k+1)*w] with heads and tokens swapped."""
+    b = Build()
+    x = b.leaf("x", (2, tokens, blocks * width, d))
+    k = data.draw(st.integers(0, blocks - 1))
+    moved = b.permute(b.view(x, (2, tokens, blocks, width, d)), (0, 3, 2, 1, 4))
+    y = b.view(b.sl(moved, 2, k, k + 1), (2, width, tokens, d))
+    b.check(y)
+    assert y.term == b.permute(b.sl(x, 2, k * width, (k + 1) * width), (0, 2, 1, 3)).term
+
+
+def test_a_row_of_a_dim_the_view_kept_is_no_block():
+    """A data-parallel rank's batch row of Y = view(Z(2, 8, 4, 8), (2, 32, 8)), Y transposed and
+    the row dropped, is a region of the transpose's flattening: the batch dim is Y's own, not a
+    block of a dim the program split, so the slice is not moved inside the permute (it would miss
+    the form the reference's matmul over the whole batch meets)."""
+    b = Build()
+    z = b.leaf("z", (2, 8, 4, 8))
+    moved = b.permute(b.view(z, (2, 32, 8)), (0, 2, 1))
+    y = b.view(b.box(moved, ((1, 2), (0, 8), (16, 32))), (8, 16))
+    b.check(y)
+    assert b.is_slice_of(y, b.view(moved, (16, 32)))

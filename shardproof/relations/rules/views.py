@@ -40,7 +40,7 @@ class ViewRules:
                 # flattened with it
                 return self.view(term.args[0], shape)
         if term.op == "slice" and self.u[term.args[0]].op == "permute":
-            moved = self._view_sliced_permute(x, shape, reorder=False)
+            moved = self._view_sliced_permute(x, shape, reorder=self._block_moved_behind(x))
             if moved is not None:
                 return moved
         if term.op == "slice":
@@ -325,6 +325,25 @@ class ViewRules:
             return None
         sliced = self.slice(permuted.args[0], tuple(inner_box))
         return self.permute(self.view(sliced, tuple(box_shape(tuple(inner_box))[p] for p in kept)), order)
+
+    def _block_moved_behind(self, x: int) -> bool:
+        """x = permute(Y, p)[box] with Y = view(Z) splitting Z's dims into blocks, where every dim
+        the box cuts to one index is the block index of such a split (Y's outer factor) and the
+        permute moves another factor of that split ahead of it (Ulysses' rank block of heads, its
+        heads per rank moved ahead of the sequence): the block is a range of Z's dim with its
+        factors reordered, which no region of a view of the permute meets, so the reordering law
+        is asked for first. A cut dim Y keeps whole (a data-parallel batch row) or a split whose
+        factors keep their order (Megatron's one head per rank) is left to the region laws."""
+        permuted = self.u[self.u[x].args[0]]
+        y = permuted.args[0]
+        if self.op(y) != "view":
+            return False
+        perm, box = permuted.attrs[0], self.u[x].attrs[0]
+        groups = reshape_groups(self.shape(self.u[y].args[0]), self.shape(y)) or []
+        splits = {gj[0]: gj[1:] for gi, gj in groups if len(gi) == 1 and len(gj) > 1}
+        cut = [perm[d] for d, (lo, hi) in enumerate(box) if hi - lo == 1 and permuted.shape[d] > 1]
+        where = {p: d for d, p in enumerate(perm)}
+        return bool(cut) and all(c in splits and any(where[f] < where[c] for f in splits[c]) for c in cut)
 
     def _view_permute(self, x: int, shape: tuple[int, ...]) -> int | None:
         """view(permute(Y, p)) as permute(view(permute(Y, r)), q): r makes each merged group of
