@@ -16,7 +16,7 @@ import functools
 from typing import Any, Callable
 
 import torch
-from torch._library.custom_ops import OPDEFS
+from torch._library.custom_ops import OPDEFS, CustomOpDef
 
 _TORCH = torch.__name__ + "."
 
@@ -25,10 +25,16 @@ def implementations() -> dict[Any, Callable[..., Any]]:
     """Each Python custom op defined outside torch, by its overload: the function it runs on the CPU."""
     found = {}
     for opdef in list(OPDEFS.values()):
-        kernel = opdef._backend_fns.get("cpu") or opdef._backend_fns.get(None)
-        if kernel is not None and not opdef._init_fn.__module__.startswith(_TORCH):
+        kernel = kernel_of(opdef)
+        if kernel is not None:
             found[opdef._opoverload] = kernel
     return {**_python_cpu_kernels(), **found}
+
+
+def kernel_of(opdef: CustomOpDef) -> Callable[..., Any] | None:
+    """The function a `torch.library.custom_op` defined outside torch runs on the CPU, if any."""
+    kernel = opdef._backend_fns.get("cpu") or opdef._backend_fns.get(None)
+    return None if kernel is None or opdef._init_fn.__module__.startswith(_TORCH) else kernel
 
 
 _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)

@@ -6,13 +6,16 @@ it reaches torch, a few calls keep it symbolic in the recorded op: slicing (and 
 symbolic offset (the loader's `w[rank * n : (rank + 1) * n]`), picking one of a tensor's equal
 pieces (`grad.chunk(world_size)[rank]`, a slice too), and elementwise ops against it as a scalar
 (a vocab-parallel embedding's `ids < vocab_start`). Their guards keep the result's shape the
-same at every rank the trace is valid for (offsets in range, a constant length). Any other use
-takes the value at the rank traced and guards it, so the trace holds only where it is the same.
+same at every rank the trace is valid for (offsets in range, a constant length). A Python custom op
+given the rank (spmd_types' `replicate_to_varying` cutting a sequence-parallel shard) runs its
+Python kernel on it, the ops the tracer records for it anyway. Any other use takes the value at the
+rank traced and guards it, so the trace holds only where it is the same.
 """
 
 from __future__ import annotations
 
 import contextlib
+import operator
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -23,14 +26,17 @@ import torch.distributed.tensor._utils as dtensor_utils
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 from torch.autograd.function import BackwardCFunction
+from torch._library.custom_ops import CustomOpDef
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils._pytree import tree_flatten
 
+from shardproof.capture import custom_ops
 from shardproof.capture.dispatch_trace import Recorder
 from shardproof.capture.locations import current_location
 from shardproof.ir import rank_expr
-from shardproof.ir.rank_expr import Guard, RankExpr, recording
+from shardproof.ir.rank_expr import Guard, RankExpr, evaluate_form, recording
 
 aten = torch.ops.aten
 _PROCESS_GROUP = torch._C._distributed_c10d.ProcessGroup
@@ -62,28 +68,37 @@ def symbolic_rank(at: int, world_size: int) -> Iterator[tuple[RankExpr, set[Guar
         except ValueError:
             return -1
 
-    def at_rank_traced(init: Any) -> Any:
-        def init_at(mesh: DeviceMesh, *args: Any, **kwargs: Any) -> None:
-            _PROCESS_GROUP.rank = original
-            try:
-                init(mesh, *args, **kwargs)
-            finally:
-                _PROCESS_GROUP.rank = rank_in
-            _made_symbolic(mesh, symbol, world_size)
+    def at_rank_traced(make: Any) -> Any:
+        """`make` (a mesh's set-up, or its groups') run at the rank traced: torch asks `rank in
+        ranks` of every group it makes, and each question would be guarded."""
 
-        return init_at
+        def made_at(*args: Any, **kwargs: Any) -> Any:
+            outer, _PROCESS_GROUP.rank = _PROCESS_GROUP.__dict__["rank"], original  # nested: a mesh makes its groups
+            try:
+                return make(*args, **kwargs)
+            finally:
+                _PROCESS_GROUP.rank = outer
+
+        return made_at
+
+    def init_at(mesh: DeviceMesh, *args: Any, **kwargs: Any) -> None:
+        at_rank_traced(mesh_init)(mesh, *args, **kwargs)
+        _made_symbolic(mesh, symbol, world_size)
 
     global _world
     narrow, tensor_narrow = torch.narrow, torch.Tensor.narrow
     mesh_init, split = DeviceMesh.__init__, Shard._select_split_tensor
+    mesh_groups = DeviceMesh.__dict__["_init_process_groups"]  # a staticmethod, made by unflattening too
     shard_offsets = dtensor_utils._compute_local_shape_and_global_offset
-    backward = BackwardCFunction.apply
+    backward, custom_op = BackwardCFunction.apply, CustomOpDef.__call__
     with recording() as guards, _RankArguments() as arguments:
         BackwardCFunction.apply = _under(arguments, backward)
+        CustomOpDef.__call__ = _kernel_for_rank(arguments, custom_op, symbol, world_size)
         _PROCESS_GROUP.rank = rank_in
         rank_expr.tensor_operation, rank_expr.current_location = _tensor_operation, current_location
         torch.narrow = torch.Tensor.narrow = _narrowing(narrow)
-        DeviceMesh.__init__ = at_rank_traced(mesh_init)
+        DeviceMesh.__init__ = init_at
+        DeviceMesh._init_process_groups = staticmethod(at_rank_traced(mesh_groups.__func__))
         Shard._select_split_tensor = _placeholder_shard(split)
         dtensor_utils._compute_local_shape_and_global_offset = _affine_in_rank(shard_offsets, symbol, world_size)
         _world = (symbol, world_size)
@@ -94,8 +109,9 @@ def symbolic_rank(at: int, world_size: int) -> Iterator[tuple[RankExpr, set[Guar
             rank_expr.tensor_operation = rank_expr.current_location = None
             torch.narrow, torch.Tensor.narrow = narrow, tensor_narrow
             DeviceMesh.__init__, Shard._select_split_tensor = mesh_init, split
+            DeviceMesh._init_process_groups = mesh_groups
             dtensor_utils._compute_local_shape_and_global_offset = shard_offsets
-            BackwardCFunction.apply = backward
+            BackwardCFunction.apply, CustomOpDef.__call__ = backward, custom_op
             _world = None
 
 
@@ -116,16 +132,20 @@ def _pin(symbol: RankExpr) -> None:
 
 def _made_symbolic(mesh: DeviceMesh, symbol: RankExpr, world_size: int) -> None:
     """A mesh built at the rank traced (torch's group code asks `rank in ranks` of every group:
-    each would be guarded) given the symbol. A mesh over the whole world in rank order with one
-    dim of more than one rank holds the rank as that dim's coordinate, 0 on the others, at every
-    rank alike; its groups are made at the rank traced, and a collective over one that is not the
-    whole world is guarded where recorded (`group_used`). Any other mesh holds at that rank alone."""
+    each would be guarded) given the symbol. A mesh cut from the whole world in rank order (its
+    rank map) whose dims of more than one rank are none or one of all of them holds the rank as
+    that dim's coordinate, 0 on the others, at every rank alike: the world itself, or a mesh of
+    one rank cut from it (torchtitan's data-parallel dims of size 1 under tensor parallelism). Its
+    groups are made at the rank traced, a collective over one that is not the whole world is
+    guarded where recorded (`group_used`), and its member ranks (`mesh.mesh`, asked of torch's
+    `get_rank`) are guarded where read. Any other mesh holds at the rank traced alone."""
     sizes = tuple(mesh.shape)
     wide = [d for d, size in enumerate(sizes) if size > 1]
     coordinate = tuple(symbol.value if d in wide else 0 for d in range(len(sizes)))
     if (
-        len(wide) <= 1
-        and mesh.mesh.flatten().tolist() == list(range(world_size))
+        all(sizes[d] == world_size for d in wide)
+        and len(wide) <= 1
+        and mesh._rank_map.tolist() == list(range(world_size))
         and mesh._rank == symbol.value
         and tuple(mesh._coordinate_on_dim or ()) == coordinate
     ):
@@ -243,21 +263,89 @@ class _Pieces(tuple):
             return super().__getitem__(index)
         size = super().__getitem__(0).shape[self.dim]
         start = index * size
-        return self.whole[(slice(None),) * self.dim + (slice(start, start + size),)]
+        piece = self.whole[(slice(None),) * self.dim + (slice(start, start + size),)]
+        _located_as(piece, super().__getitem__(index.value))
+        return piece
+
+
+def _located_as(made: torch.Tensor, piece: torch.Tensor) -> None:
+    """The slice standing for a piece recorded at the piece's line (the `chunk`), as the trace of
+    the rank itself records the piece it picks."""
+    recorder = _get_current_dispatch_mode()
+    if not isinstance(recorder, Recorder):
+        return
+    found, origin = recorder.nodes.get(id(made)), recorder.nodes.get(id(piece))
+    if found is None or origin is None or found[0] is not made or origin[0] is not piece:
+        return
+    source = origin[1].args[0] if origin[1].target is operator.getitem else origin[1]  # a piece of a split's list
+    found[1].meta["stack_trace"] = source.meta.get("stack_trace", "")
 
 
 def _under(mode: TorchFunctionMode, apply: Any) -> Any:
-    """A custom autograd Function's backward run under `mode`: torch leaves a mode while it runs
-    the function it was called for, here `torch.autograd.grad`, whose engine runs the backward
-    (Megatron's gather keeps `grad.chunk(world_size)[rank]`)."""
+    """`apply` run under `mode` (a custom autograd Function's backward): torch leaves a mode while
+    it runs the function it was called for, here `torch.autograd.grad`, whose engine runs the
+    backward (Megatron's gather keeps `grad.chunk(world_size)[rank]`)."""
 
-    def apply_under(function: Any, *args: Any) -> Any:
+    def apply_under(*args: Any) -> Any:
         if mode in _get_current_function_mode_stack():
-            return apply(function, *args)
+            return apply(*args)
         with mode:
-            return apply(function, *args)
+            return apply(*args)
 
     return apply_under
+
+
+def _kernel_for_rank(mode: TorchFunctionMode, call: Any, symbol: RankExpr, world_size: int) -> Any:
+    """A functional Python custom op called with the rank, whose schema would take it as an int.
+    While the light tracer records: its Python kernel run on the symbol (under `mode`, which keeps
+    its slices symbolic), the ops the tracer records in the op's place in any case
+    (capture/custom_ops); a backward registered for the op is kept where it would run. Outside
+    (the model being built, its parameters cut as placeholders for the checkpoint): the op at the
+    rank traced where it makes alike tensors at every rank (see `_alike`)."""
+
+    def called(opdef: CustomOpDef, *args: Any, **kwargs: Any) -> Any:
+        kernel = custom_ops.kernel_of(opdef)
+        if kernel is None or not _mentions((args, kwargs)) or opdef._opoverload._schema.is_mutable:
+            return call(opdef, *args, **kwargs)
+        if not isinstance(_get_current_dispatch_mode(), Recorder):
+            each = [call(opdef, *_at(args, r), **_at(kwargs, r)) for r in range(world_size)]
+            at = each[symbol.value]
+            return at if all(_alike(other, at) for other in each) else call(opdef, *_pinned(args), **_pinned(kwargs))
+        if opdef._backward_fn is not None and _differentiated((args, kwargs)):
+            return call(opdef, *args, **kwargs)
+        return _under(mode, lambda: kernel(*args, **kwargs))()
+
+    return called
+
+
+def _alike(a: Any, b: Any) -> bool:
+    """Two results that no program can tell apart: tensors without data (meta, or fake without a
+    value fake mode kept: a graph refuses such a constant) of the same metadata, nothing that
+    autograd would differentiate, or values equal."""
+    flat_a, spec_a = tree_flatten(a)
+    flat_b, spec_b = tree_flatten(b)
+    if spec_a != spec_b:
+        return False
+    for x, y in zip(flat_a, flat_b):
+        if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+            if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor) or x != y:
+                return False
+        elif not (_dataless(x) and _dataless(y) and not x.requires_grad and not y.requires_grad
+                  and (type(x), x.shape, x.stride(), x.storage_offset(), x.dtype, x.device)
+                  == (type(y), y.shape, y.stride(), y.storage_offset(), y.dtype, y.device)):
+            return False
+    return True
+
+
+def _dataless(tensor: torch.Tensor) -> bool:
+    return tensor.is_meta or isinstance(tensor, FakeTensor) and tensor.constant is None
+
+
+def _differentiated(value: Any) -> bool:
+    """Whether autograd would record an op of these arguments."""
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(value)[0]
+    )
 
 
 def _tensor_operation(method: str, other: Any, expr: RankExpr) -> Any:
@@ -402,6 +490,11 @@ def _mapped(value: Any, leaf: Any) -> Any:
     if isinstance(value, dict):
         return {k: _mapped(v, leaf) for k, v in value.items()}
     return value
+
+
+def _at(value: Any, rank: int) -> Any:
+    """`value` at `rank`, unguarded: for a call the caller makes at every rank."""
+    return _mapped(value, lambda expr: evaluate_form(expr.form, rank))
 
 
 def _pinned(value: Any) -> Any:

@@ -230,30 +230,35 @@ def _trace_rank(session: _Session, rank: int, bound: list[torch.Tensor], memo: b
     tensors cost ~6x more to make, and a 126-layer model makes ~800 parameters per rank. That
     model's own tensors are replaced by the loaded ones, so the graph is the same; where it is not
     usable as it is (a tensor constant without a value, code that needs fake tensors, tensor
-    subclasses), the model is built again on fake tensors and traced as always."""
+    subclasses), the model is built again on fake tensors and traced as always; once a rank needed
+    that, the later ones are built on fake tensors at once (the same program, the same failure)."""
     with _process_group(rank, session.world_size):
-        try:
-            return _trace_program(session, rank, bound, memo, on_meta=True)
-        except (ShardproofError, InternalError, NotPlain):
-            session.ranks_off_meta = True
-            return _trace_program(session, rank, bound, memo, on_meta=False)
+        if not session.ranks_off_meta:
+            try:
+                return _trace_program(session, rank, bound, memo, on_meta=True)
+            except (ShardproofError, InternalError, NotPlain):
+                session.ranks_off_meta = True
+        return _trace_program(session, rank, bound, memo, on_meta=False)
 
 
 def _trace_program(
-    session: _Session, rank: int, bound: list[torch.Tensor], memo: bool, on_meta: bool, symbol: RankExpr | None = None
+    session: _Session, rank: int, bound: list[torch.Tensor], memo: bool, on_meta: bool, symbol: RankExpr | None = None,
+    light_only: bool | None = None,
 ) -> tuple[Graph, Trained]:
     """A rank's program and what its run says about its parameters. `on_meta`: the model built on
     meta tensors and the program recorded by the light tracer alone (any failure raises);
     otherwise the model is built on fake tensors and recorded on them, never tried on meta tensors
     first: a failed run may have left the model half-changed (FSDP's lazy init refuses meta
-    parameters after it began), and make_fx then traces that same model. With `symbol`, the
-    program is given that for its rank (see `_rank_class`).
+    parameters after it began), and make_fx then traces that same model. `light_only` (default:
+    `on_meta`): no make_fx where the light tracer cannot record. With `symbol`, the program is
+    given that for its rank (see `_rank_class`).
 
     A program that loads separately is traced as its loader, then its model; otherwise (a training
     step: the loader, the step, the loader again over the reference gradients) as one function of
     the reference's leaves and `bound`."""
     program, world_size = session.program, session.world_size
     given = rank if symbol is None else symbol
+    light_only = on_meta if light_only is None else light_only
 
     def build() -> torch.nn.Module:
         return session.case.distributed(given, world_size)
@@ -270,7 +275,7 @@ def _trace_program(
 
         with _recorded_reduce_ops() as reduce_ops:
             return _trace(f"rank {rank}", run_loaded, session.tensors, session.names, reduce_ops, rank, held,
-                          program, load, light_only=on_meta, on_meta=on_meta), Trained()
+                          program, load, light_only=light_only, on_meta=on_meta), Trained()
     runs: list[Trained] = []  # tracers keep tensors only: the rest of a run's result is kept here
 
     def run_rank(*args: torch.Tensor) -> list[torch.Tensor]:
@@ -281,7 +286,7 @@ def _trace_program(
     names = session.names + [f"{BOUND_LEAF_PREFIX}{i}" for i in program.bound]
     with _recorded_reduce_ops() as reduce_ops:
         traced = _trace(f"rank {rank}", run_rank, session.tensors + bound, names, reduce_ops, rank, held, program,
-                        light_only=on_meta, on_meta=on_meta)
+                        light_only=light_only, on_meta=on_meta)
     return traced, runs[-1]
 
 
@@ -323,17 +328,23 @@ class _RankClasses:
 def _rank_class(session: _Session, rank: int, memo: bool, bound: list[torch.Tensor]) -> tuple[RankClass, Trained] | None:
     """The rank's program traced with its rank symbolic: one trace for every rank its guards
     admit (where they hold, the program runs exactly as traced: what its run says about its
-    parameters too). None where that cannot be done (tensor subclasses, code that fails on a
-    symbolic rank or on meta tensors, a reference not built on them); the rank is then traced as
-    it is."""
+    parameters too). By the light tracer alone, on meta tensors, or on fake ones where the program
+    needs them (FlexAttention refuses meta tensors), as `_trace_rank` would trace it. None where
+    that cannot be done (tensor subclasses, code that fails on a symbolic rank, a reference not
+    built on meta tensors); the rank is then traced as it is."""
     if not session.model_on_meta:
         return None
-    with _process_group(rank, session.world_size), symbolic_rank(rank, session.world_size) as (symbol, guards):
-        try:
-            graph, trained = _trace_program(session, rank, bound, memo, on_meta=True, symbol=symbol)
-        except (ShardproofError, InternalError, NotPlain):
-            return None
-    return RankClass(graph, frozenset(guards)), trained
+    for on_meta in (True, False) if not session.ranks_off_meta else (False,):
+        with _process_group(rank, session.world_size), symbolic_rank(rank, session.world_size) as (symbol, guards):
+            try:
+                graph, trained = _trace_program(session, rank, bound, memo, on_meta, symbol, light_only=True)
+            except NotPlain:
+                return None
+            except (ShardproofError, InternalError):
+                session.ranks_off_meta |= on_meta
+                continue
+        return RankClass(graph, frozenset(guards)), trained
+    return None
 
 
 def _on_meta(build: Callable[[], Any]) -> Any:

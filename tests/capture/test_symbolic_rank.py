@@ -226,3 +226,112 @@ def test_a_slice_python_clamps_at_some_ranks_is_traced_again_there() -> None:
     found, symbolic, own = by_rank(_case(lambda rank, ws: _Sliced(8), loader, world_size=3), 3)
     assert found == 2
     assert_same_programs(symbolic, own)
+
+
+def _sub_meshes(world_size: int) -> tuple[Any, Any]:
+    """torchtitan's way to its meshes: the world unflattened into a data-parallel dim of one rank
+    and a tensor-parallel dim of all of them, both sliced out."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = init_device_mesh("cpu", (world_size,), mesh_dim_names=("world",))
+    mesh = world._unflatten(0, (1, world_size), ("dp", "tp"))
+    return mesh["dp"], mesh["tp"]
+
+
+class _RowParallel(nn.Module):
+    """The rank's columns of the input times its columns of the weight, summed over the
+    tensor-parallel mesh's group; made beside a data-parallel mesh of one rank."""
+
+    def __init__(self, rank: Any, world_size: int, read_members: bool) -> None:
+        super().__init__()
+        dp, self.tp = _sub_meshes(world_size)
+        assert tuple(dp.get_coordinate()) == (0,)
+        if read_members:  # the data-parallel mesh's one member is this rank: reading it pins the rank
+            assert dp.mesh.tolist() == [int(rank)]
+        self.weight = nn.Parameter(torch.empty(3, 8 // world_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        width, rank = self.weight.shape[1], self.tp.get_coordinate()[0]
+        out = x[:, rank * width : (rank + 1) * width] @ self.weight.T
+        dist.all_reduce(out, group=self.tp.get_group())
+        return out
+
+
+@pytest.mark.parametrize("read_members", [False, True])
+def test_a_mesh_of_one_rank_cut_from_the_world_holds_at_every_rank(read_members: bool) -> None:
+    """Its coordinate is 0 at every rank; reading which rank it holds is guarded."""
+    case = Case(lambda: nn.Linear(8, 3, bias=False), lambda rank, ws: _RowParallel(rank, ws, read_members),
+                lambda: (torch.randn(5, 8),), 4)  # fmt: skip
+    found, symbolic, own = by_rank(case, 4)
+    assert found == (2 if read_members else 1)
+    traced = [rank for rank, graph in enumerate(symbolic) if graph is not None]
+    assert traced == ([0, 1] if read_members else [0, 1, 2, 3])
+    assert_same_programs([symbolic[r] for r in traced], [own[r] for r in traced])
+
+
+@torch.library.custom_op("shardproof_test::rank_columns", mutates_args=())
+def rank_columns(x: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
+    """A library's shard cut behind an op name taking the rank as an int (spmd_types' cuts)."""
+    return torch.chunk(x, world_size, dim=-1)[rank].clone()
+
+
+@rank_columns.register_fake
+def _rank_columns_fake(x: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], -(-x.shape[-1] // world_size)))
+
+
+class _CutByOp(nn.Module):
+    """Its weight's placeholder cut by the op as the model is built; its input cut by it as it runs."""
+
+    def __init__(self, world_size: int, rank: Any) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(rank_columns(torch.empty(3, 8), world_size, rank))
+        self.world_size = world_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rank_columns(x, self.world_size, dist.get_rank()) @ self.weight.T
+
+
+@pytest.mark.parametrize("world_size, classes", [(4, 1), (3, 2)])
+def test_a_custom_op_given_the_rank_runs_its_kernel_on_the_symbol(world_size: int, classes: int) -> None:
+    """While recording, the op's kernel slices at a symbolic offset; while the model is built, its
+    placeholder cut is alike at every rank (8 columns in 4). In 3 pieces (3, 3, 2) the cuts
+    differ in shape: the rank is pinned, each rank traced on its own."""
+
+    def loader(state: dict, rank: Any, world_size: int) -> dict:
+        return {"weight": rank_columns(state["weight"], world_size, rank)}
+
+    case = Case(lambda: nn.Linear(8, 3, bias=False), lambda rank, ws: _CutByOp(ws, rank),
+                lambda: (torch.randn(5, 8),), world_size, shard_state=loader)  # fmt: skip
+    found, symbolic, own = by_rank(case, world_size)
+    assert found == classes
+    traced = [rank for rank, graph in enumerate(symbolic) if graph is not None]
+    assert traced == (list(range(world_size)) if classes == 1 else [0, 1])
+    assert_same_programs([symbolic[r] for r in traced], [own[r] for r in traced])
+
+
+class _NotOnMeta(_Sliced):
+    """Code that refuses meta tensors (FlexAttention checks its inputs' device so)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_meta:
+            raise ValueError("meta tensors are not supported")
+        return super().forward(x)
+
+
+def test_a_program_refusing_meta_tensors_is_traced_symbolically_on_fake_ones() -> None:
+    case = Case(lambda: _NotOnMeta(8), lambda rank, ws: _NotOnMeta(8), lambda: (torch.randn(3, 32),), 4,
+                shard_state=_shard)  # fmt: skip
+    found, symbolic, own = by_rank(case, 4)
+    assert found == 1
+    assert_same_programs(symbolic, own)
+
+
+def test_one_trace_stands_for_every_rank_of_torchtitan() -> None:
+    """Its meshes (data-parallel dims of one rank unflattened from the world), its spmd_types
+    custom ops cutting sequence-parallel shards at the rank, FlexAttention on fake tensors."""
+    pytest.importorskip("torchtitan", reason="needs the titan extra: pip install 'shardproof[titan]'")
+    from shardproof.integrations.torchtitan import tiny_config, torchtitan_case
+    found, symbolic, own = by_rank(torchtitan_case(tiny_config("llama3", sequence_parallel=True), 4), 4)
+    assert found == 1
+    assert_same_programs(symbolic, own)
