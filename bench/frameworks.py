@@ -10,9 +10,11 @@ torchtitan's llama3 and qwen3 (TP+SP), Megatron-Core's GPTModel (TP+SP), forward
 and 8; and Llama-3.1-8B's real config (built in code, nothing downloaded) through transformers'
 own TP at world size 8. Fake tensors throughout: no weights are allocated at any size.
 
-`--warm` adds a column: the same row run as `shardproof verify` on a case file (`CASE = ...`) while
-`shardproof serve` runs, so the imports are done before the command starts (the wall time a user
-sees from the second run on).
+`run cpu s` is the CPU seconds of the cold process after its imports (building the case and
+verifying it): what a warm run costs, and its wall time on an idle machine. `--warm` adds a column:
+the same row run as `shardproof verify` on a case file (`CASE = ...`) while `shardproof serve`
+runs, so the imports are done before the command starts (the wall time a user sees from the
+second run on).
 
     python bench/frameworks.py [--only transformers,torchtitan,megatron,llama-8b] [--world-sizes 2,8] [--train] [--warm]
 """
@@ -58,12 +60,15 @@ MEASURE = """
 import json, resource, time, warnings
 warnings.filterwarnings("ignore")
 from shardproof import verify
+{imports}
+imported = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
 {build}
 report = verify(case, world_size={n}, train={train})
+cpu = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
 print("RESULT " + json.dumps({{"verdict": report.verdict, "reference_ops": report.reference_ops,
     "distributed_ops": report.distributed_ops, "proof_seconds": report.seconds - report.capture_seconds,
     "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-    "cpu_seconds": sum(resource.getrusage(resource.RUSAGE_SELF)[:2]),
+    "cpu_seconds": cpu, "run_cpu_seconds": cpu - imported,
     "note": str(report.diagnosis or report.unknown or "")[:160]}}))
 """
 
@@ -91,7 +96,8 @@ def measure(build: str, n: int, train: bool, timeout: float) -> dict:
     """Verify in a fresh process; its wall time seen from here."""
     start = time.perf_counter()
     try:
-        done = subprocess.run([sys.executable, "-c", MEASURE.format(build=build, n=n, train=train)],
+        imports, rest = _imports_first(build)
+        done = subprocess.run([sys.executable, "-c", MEASURE.format(imports=imports, build=rest, n=n, train=train)],
                               capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"verdict": "timeout", "wall": timeout, "note": f"no result within {timeout:.0f} s"}
@@ -101,6 +107,14 @@ def measure(build: str, n: int, train: bool, timeout: float) -> dict:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         return {"verdict": "error", "wall": wall, "note": last[:160]}
     return {**json.loads(result), "wall": wall}
+
+
+def _imports_first(build: str) -> tuple[str, str]:
+    """A row's program as its imports (what `shardproof serve` has done before a command starts)
+    and the rest (building the case)."""
+    lines = build.splitlines()
+    imports = [line for line in lines if line.startswith(("from ", "import "))]
+    return "\n".join(imports), "\n".join(line for line in lines if line not in imports)
 
 
 @contextlib.contextmanager
@@ -152,8 +166,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def table(args: argparse.Namespace, env: dict | None, folder: Path | None) -> int:
     """Print the table; 1 if a row at world size 8 missed its target (cold, and warm where measured)."""
-    print("| framework | architecture | ws | verdict | wall s | warm s | cpu s | proof s | peak MiB | ref ops | dist ops | target |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| framework | architecture | ws | verdict | wall s | warm s | cpu s | run cpu s | proof s | peak MiB | ref ops | dist ops | target |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     notes, missed = [], 0
     for framework, arch, n, build in rows(set(args.only.split(",")), [int(w) for w in args.world_sizes.split(",")], args.train):
         print(f"{framework} {arch} ws={n} ...", file=sys.stderr, flush=True)
@@ -167,8 +181,9 @@ def table(args: argparse.Namespace, env: dict | None, folder: Path | None) -> in
         proof = f"{got['proof_seconds']:.1f}" if "proof_seconds" in got else "-"
         peak = f"{got['peak_mib']:.0f}" if "peak_mib" in got else "-"
         cpu = f"{got['cpu_seconds']:.1f}" if "cpu_seconds" in got else "-"
+        run_cpu = f"{got['run_cpu_seconds']:.1f}" if "run_cpu_seconds" in got else "-"
         warm_wall = "-" if warm is None else f"{warm['wall']:.1f}"
-        print(f"| {framework} | {arch} | {n} | {got['verdict']} | {got['wall']:.1f} | {warm_wall} | {cpu} | {proof} | {peak} | "
+        print(f"| {framework} | {arch} | {n} | {got['verdict']} | {got['wall']:.1f} | {warm_wall} | {cpu} | {run_cpu} | {proof} | {peak} | "
               f"{got.get('reference_ops', '-')} | {got.get('distributed_ops', '-')} | {met} |", flush=True)
         if got.get("note"):
             notes.append(f"{framework} {arch} ws={n}: {got['note']}")

@@ -18,10 +18,14 @@ of factoring rules. Sound because:
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import os
+import sys
 import tempfile
 from collections import defaultdict
 from fractions import Fraction
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from shardproof.relations.rules import FLOAT_DTYPES
@@ -84,9 +88,8 @@ def prove_equal(universe: Universe, a: int, b: int, max_nodes: int = 5000, itera
     """True only if saturation proves terms `a` and `b` equal; False if unproven or too big."""
     if a == b:
         return True
-    # imported here, not with this module: importing egglog starts a thread pool, which a process
-    # forked afterwards (the warm server's workers, shardproof/serve.py) would wait on forever
-    from egglog.bindings import EggSmolError, EGraph
+    bindings = _engine()
+    EggSmolError, EGraph = bindings.EggSmolError, bindings.EGraph  # noqa: N806
 
     nodes = _sub_dag(universe, (a, b), max_nodes)
     if nodes is None:
@@ -102,6 +105,31 @@ def prove_equal(universe: Universe, a: int, b: int, max_nodes: int = 5000, itera
     except EggSmolError:
         return False
     return True
+
+
+def _engine() -> ModuleType:
+    """egglog's engine (`egglog.bindings`, its Rust extension) without the package around it,
+    whose Python front end imports black, graphviz and opentelemetry (1-1.5 s, most of a warm
+    run's proof of a tiny model). Loaded when first needed, not with this module: it starts a
+    thread pool, which a process forked afterwards (the warm server's workers,
+    shardproof/serve.py) would wait on forever."""
+    loaded = sys.modules.get(_ENGINE)
+    if loaded is not None:
+        return loaded
+    package = importlib.util.find_spec("egglog")
+    folders = package.submodule_search_locations if package is not None else None
+    found = importlib.machinery.PathFinder.find_spec("bindings", list(folders or []))
+    if found is None or found.origin is None:
+        raise ImportError("egglog's bindings are not installed (pip install egglog)")
+    spec = importlib.util.spec_from_file_location(_ENGINE, found.origin)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[_ENGINE] = module  # `import egglog` later finds its bindings loaded
+    return module
+
+
+_ENGINE = "egglog.bindings"
 
 
 def _load(egraph: EGraph, folder: str, rows: dict[str, list[tuple[Any, ...]]]) -> None:

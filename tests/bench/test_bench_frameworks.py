@@ -1,5 +1,5 @@
-"""bench/frameworks.py prints a row per model, cold and (with --warm) through `shardproof serve`,
-both with the verdict the model gets."""
+"""bench/frameworks.py prints a row per model, cold (its CPU after the imports too) and (with
+--warm) through `shardproof serve`, both with the verdict the model gets."""
 
 from __future__ import annotations
 
@@ -23,3 +23,4 @@ def test_a_row_is_timed_cold_and_warm(monkeypatch: pytest.MonkeyPatch, capsys) -
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| transformers")]
     assert len(rows) == 1 and rows[0][3] == "equivalent", out
     assert float(rows[0][5]) > 0 and "note:" not in out  # a warm time, and the warm run agreed
+    assert 0 < float(rows[0][7]) < float(rows[0][6])  # the CPU after the imports, a part of the whole
