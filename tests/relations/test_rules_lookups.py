@@ -160,6 +160,27 @@ def test_vocab_parallel_masked_gather_on_flattened_tokens(vocab, cuts_):
     assert total.term == b.view(b.op("gather", logits, column(b, flat), attrs=(1,)), (6,)).term
 
 
+@pytest.mark.parametrize("vocab,cuts_", [(8, (0, 4, 8)), (9, (0, 3, 6, 9))])
+@pytest.mark.parametrize("chunk", [(0, 2), (2, 4), (4, 6)])
+def test_vocab_parallel_masked_gather_over_a_chunk_of_the_tokens(vocab, cuts_, chunk):
+    """A chunked loss's spelling: loss_parallel's lookup over rows [a, b) of the logits, at the ids
+    of those rows. The rows are the rows of the lookup over all the tokens, masked the same way:
+    the ranks' lookups sum to the rows [a, b) of the reference's."""
+    b = Build()
+    logits, target = b.leaf("logits", (6, vocab)), labels(b, "target", (6,), vocab)
+    rows, ids = b.sl(logits, 0, *chunk), b.sl(target, 0, *chunk)
+    n = chunk[1] - chunk[0]
+    ranks = []
+    for lo, hi in zip(cuts_, cuts_[1:]):
+        mask, local = masked_local_ids(b, ids, lo, hi)
+        picked = b.view(b.op("gather", b.sl(rows, 1, lo, hi), column(b, local), attrs=(1,)), (n,))
+        ranks.append(b.op("where", mask, b.scalar(0.0, (n,)), picked))
+    total = b.add(*ranks)
+    b.check(total)
+    whole = b.view(b.op("gather", logits, column(b, target), attrs=(1,)), (6,))
+    assert total.term == b.sl(whole, 0, *chunk).term
+
+
 def _greedy_pick(b: Build, logits: V, points: list[int], offsets: list[int]) -> V:
     """Greedy sampling over vocab-parallel logits: each rank's max and argmax over its columns
     [lo, hi), the argmax plus the rank's offset, both stacked over ranks (an all-gather), the

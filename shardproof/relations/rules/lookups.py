@@ -80,6 +80,9 @@ def gather(r: Rules, op: str, args, attrs, shape, dtype) -> int:
     elementwise along the other dims (slices there, and any slice of the index, move out)."""
     x, index = args
     (dim,) = attrs
+    moved = _gather_regions(r, x, index, dim, attrs, dtype)
+    if moved is not None:  # rows of a wider lookup (a chunk of the sequence), a rank's one included
+        return moved
     if _local_lookup(r, x, index, dim):
         # one rank's lookup into its shard of the table: kept whole, so the mask that zeroes the
         # entries other ranks own can make it a piece (see _masked_lookup)
@@ -95,7 +98,7 @@ def gather(r: Rules, op: str, args, attrs, shape, dtype) -> int:
     if term.op == "bcast" and dim not in term.attrs[0]:
         placed = term.attrs[0]
         return r.bcast(r.slice(term.args[0], tuple((0, shape[d]) for d in placed)), shape, placed)
-    moved = _gather_regions(r, x, index, dim, attrs, dtype)
+    moved = None
     for pick in (_pick_of_largest_max, pick_of_top):
         moved = pick(r, x, index, dim, shape) if moved is None else moved
     return moved if moved is not None else r.literal(op, args, attrs, shape, dtype)
