@@ -770,18 +770,35 @@ def _split_sizes(lo: Lowerer, x, sizes: list[int], dim: int = 0) -> tuple[int, .
 def _as_strided(lo: Lowerer, x, size, stride, storage_offset=None) -> int:
     """A strided view that reads a run of a contiguous tensor's memory in row-major order (FSDP2
     views its flat all-gathered and reduce-scattered buffers as parameters and gradients so) is a
-    slice of the tensor flattened, reshaped. Other strides decline: an open op."""
+    slice of the tensor flattened, reshaped. Of a view that is not contiguous (a transpose), it
+    reads the memory under the view, not the view's elements in order: the run is taken from the
+    contiguous tensor the view was made from (a kernel reading its argument from the data pointer).
+    Other strides decline: an open op."""
     val = x.meta.get("val") if isinstance(x, fx.Node) else None
     size = tuple(size)
-    if not isinstance(val, torch.Tensor) or not val.is_contiguous() or tuple(stride) != _contiguous_strides(size):
+    if not isinstance(val, torch.Tensor) or tuple(stride) != _contiguous_strides(size):
         raise Declined
-    start = 0 if storage_offset is None else storage_offset - val.storage_offset()
+    offset = val.storage_offset() if storage_offset is None else storage_offset
+    if not val.is_contiguous():
+        x = _dense_source(lo, x)
+        val = x.meta["val"]
+    start = offset - val.storage_offset()
     numel = math.prod(size)
     if start < 0 or start + numel > val.numel():
         raise Declined
     value = lo.tensor(x)
     flat = lo.emit("view", (value,), ((val.numel(),),), (val.numel(),), lo.dtype(value))
     return lo.emit("view", (slice_value(lo, flat, 0, start, start + numel),), (size,), size, lo.dtype(value))
+
+
+def _dense_source(lo: Lowerer, x: fx.Node) -> fx.Node:
+    """The contiguous value whose memory the view `x` reads (up its chain of views), or Declined."""
+    storage = x.meta["val"].untyped_storage()._cdata
+    for source in lo.views.chain(x)[1:]:
+        val = source.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.is_contiguous() and val.untyped_storage()._cdata == storage:
+            return source
+    raise Declined
 
 
 def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:

@@ -61,3 +61,20 @@ def test_as_strided_reading_a_run_is_a_slice(size, stride, offset, lowered) -> N
     assert any(n.op.startswith("aten.as_strided") for n in graph.nodes) != lowered
     if lowered:
         torch.testing.assert_close(run_graph(graph, {"x": x})[0], view(x))
+
+
+@pytest.mark.parametrize("offset", [None, 3])
+def test_as_strided_of_a_transposed_view_reads_the_memory_under_it(offset) -> None:
+    """A kernel reading its argument from the data pointer: dense strides over a transposed view
+    read the contiguous tensor it views in row-major order, not the view's elements in order."""
+    x = torch.randn(3, 4, dtype=torch.float64)
+
+    def read(t: torch.Tensor) -> torch.Tensor:
+        view = (t * 1).transpose(0, 1)
+        return view.as_strided((2, 3) if offset else (4, 3), (3, 1), offset) + 0
+
+    program = _traced(read, x)
+    graph = Lowerer(program, ["x"], lambda node: None, [], lambda group: (), None).run()
+    assert not any(n.op.startswith("aten.as_strided") for n in graph.nodes)
+    torch.testing.assert_close(run_graph(graph, {"x": x})[0], read(x))
+    assert not torch.equal(read(x), (x * 1).transpose(0, 1)[: read(x).shape[0]])

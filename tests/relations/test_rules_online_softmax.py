@@ -80,3 +80,31 @@ def test_a_merge_with_a_stale_logsumexp_is_not_attention() -> None:
     b.check(out)
     assert out.term != whole_out.term
     assert not torch.allclose(out.value, whole_out.value)
+
+
+def test_a_logsumexp_with_its_rows_permuted_is_that_of_the_scores_rows_permuted() -> None:
+    b = Build()
+    x = b.leaf("x", (HEADS, QUERIES, KEYS))
+    rows_first = b.permute(_logsumexp(b, x, 2), (1, 0))
+    b.check(rows_first)
+    assert rows_first.term == b.op("logsumexp", b.permute(x, (1, 0, 2)), attrs=(2,)).term
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2), (2, 0, 1)])
+def test_merging_with_the_logsumexp_kept_as_queries_by_heads_is_attention_over_all_keys(order: tuple[int, ...]) -> None:
+    """The ring flash-attention ports' merge: each block's (heads, queries) log-sum-exp transposed
+    to (queries, heads), merged so, and the weights transposed back to weigh the outputs."""
+    b = Build()
+    q, k, v = b.leaf("q", (HEADS, QUERIES, DIM)), b.leaf("k", (HEADS, KEYS, DIM)), b.leaf("v", (HEADS, KEYS, DIM))
+    whole_out, whole_lse = _block(b, q, k, v)
+    blocks = [_block(b, q, b.sl(k, 1, 4 * i, 4 * i + 4), b.sl(v, 1, 4 * i, 4 * i + 4)) for i in order]
+    out, lse = blocks[0][0], b.permute(blocks[0][1], (1, 0))
+    for block_out, block_lse in blocks[1:]:
+        block_lse = b.permute(block_lse, (1, 0))
+        new = _logsumexp(b, b.cat([b.view(lse, (1, QUERIES, HEADS)), b.view(block_lse, (1, QUERIES, HEADS))], 0), 0)
+        weight = lambda l: b.expand(b.view(b.permute(b.op("exp", b.sub(l, new)), (1, 0)), (HEADS, QUERIES, 1)), out.shape)  # noqa: E731
+        out, lse = b.add(b.op("mul", weight(lse), out), b.op("mul", weight(block_lse), block_out)), new
+    b.check(out)
+    b.check(lse)
+    assert out.term == whole_out.term
+    assert lse.term == b.permute(whole_lse, (1, 0)).term

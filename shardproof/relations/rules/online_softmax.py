@@ -211,10 +211,15 @@ def weighted_block(r: Rules, t: int) -> tuple[int, int, tuple[int, int]] | None:
         if attention is None or w.op != "bcast" or w.attrs[0] != tuple(range(len(w.shape) - 1)):
             continue
         power, box = r.as_region(w.args[0])  # exp(...), or a rank's rows of it
+        perm = None
+        if r.op(power) == "permute":  # weights computed with the rows in another order, put back
+            perm = r.u[power].attrs[0]
+            power, box = r.u[power].args[0], tuple(box[perm.index(d)] for d in range(len(perm)))
         exponent = r.u[r.slice(r.u[power].args[0], box)] if r.op(power) == "exp" else None
         if exponent is None or exponent.op != "lin" or sorted(exponent.attrs[0]) != [-1, 1]:
             continue
-        own, total = (_as_lse(r, a) for a in (exponent.args if exponent.attrs[0][0] == 1 else exponent.args[::-1]))
+        lses = exponent.args if exponent.attrs[0][0] == 1 else exponent.args[::-1]
+        own, total = (_as_lse(r, a if perm is None else r.permute(a, perm)) for a in lses)
         if own is not None and total is not None and own[0] == attention[0]:
             return attention[0], attention[1], total
     return None

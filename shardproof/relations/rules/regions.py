@@ -472,6 +472,11 @@ class RegionRules:
             return self.cat([self.permute(a, perm) for a in term.args], perm.index(term.attrs[0]))
         if term.op == "repeat":
             return self.repeat(self.permute(term.args[0], perm), perm.index(term.attrs[0]), term.attrs[1])
+        if term.op == "logsumexp" and term.attrs[0] == n:
+            # a log-sum-exp over the last dim, its rows permuted: that of the scores' rows permuted
+            # alike (flash attention's (heads, seq) lse kept as (seq, heads) beside the output)
+            scores = term.args[0]
+            return self.build("logsumexp", (self.permute(scores, perm + (n,)),), (n,), shape, term.dtype)
         if term.op == "bcast":
             dims = term.attrs[0]
             new_pos = [perm.index(d) for d in dims]
