@@ -92,7 +92,7 @@ def capture(
                     progress(f"tracing {len(uncovered)} ranks in workers")
                     elsewhere = dict(zip(uncovered, rest(uncovered)))
             count(progress, "ranks traced", rank + 1, world_size)
-        if session.reference_on_meta and session.ranks_off_meta:  # traced alike (see `_trace_reference`)
+        if session.reference_on_meta and session.off_meta:  # traced alike (see `_trace_reference`)
             reference = _trace_reference(session, memo, progress)
         claims = session.program.claims(len(reference.outputs), [(len(graph.outputs), trained) for graph, trained in ranks])
     return Captured(reference, [graph for graph, _ in ranks], claims, time.perf_counter() - start)
@@ -116,7 +116,7 @@ class _Session:
     tensors: list[torch.Tensor]  # the reference's state, then its inputs
     names: list[str]
     model_on_meta: bool  # `model` was built on meta tensors (see `_reference`)
-    ranks_off_meta: bool = False  # some rank was traced on fake tensors (see `_trace_reference`)
+    off_meta: bool = False  # a program refused meta tensors and was traced on fake ones: the later ones are at once
     reference_on_meta: bool = False  # the reference was recorded on meta tensors
 
     def unpack(self, args: tuple) -> tuple[dict[str, torch.Tensor], tuple]:
@@ -208,7 +208,7 @@ def _trace_reference(session: _Session, memo: bool, progress: Callable[[str], No
     with _process_group(0, 1):  # as it was built
         if not session.model_on_meta:
             return trace(session.model, light_only=False)
-        if session.ranks_off_meta:
+        if session.off_meta:
             try:
                 return trace(_build_model("reference()", session.case.reference), light_only=False, on_meta=False)
             except (ShardproofError, InternalError, NotPlain):
@@ -219,7 +219,9 @@ def _trace_reference(session: _Session, memo: bool, progress: Callable[[str], No
             return graph
         except (ShardproofError, InternalError, NotPlain):
             model = _build_model("reference()", session.case.reference)
-            return trace(model, light_only=False)
+            graph = trace(model, light_only=False)
+            session.off_meta = True  # the ranks' programs will refuse them too
+            return graph
 
 
 def _trace_rank(session: _Session, rank: int, bound: list[torch.Tensor], memo: bool) -> tuple[Graph, Trained]:
@@ -230,14 +232,15 @@ def _trace_rank(session: _Session, rank: int, bound: list[torch.Tensor], memo: b
     tensors cost ~6x more to make, and a 126-layer model makes ~800 parameters per rank. That
     model's own tensors are replaced by the loaded ones, so the graph is the same; where it is not
     usable as it is (a tensor constant without a value, code that needs fake tensors, tensor
-    subclasses), the model is built again on fake tensors and traced as always; once a rank needed
-    that, the later ones are built on fake tensors at once (the same program, the same failure)."""
+    subclasses), the model is built again on fake tensors and traced as always; once a program
+    needed that (the reference or a rank), the later ones are built on fake tensors at once: the
+    same code, the same failure."""
     with _process_group(rank, session.world_size):
-        if not session.ranks_off_meta:
+        if not session.off_meta:
             try:
                 return _trace_program(session, rank, bound, memo, on_meta=True)
             except (ShardproofError, InternalError, NotPlain):
-                session.ranks_off_meta = True
+                session.off_meta = True
         return _trace_program(session, rank, bound, memo, on_meta=False)
 
 
@@ -334,15 +337,15 @@ def _rank_class(session: _Session, rank: int, memo: bool, bound: list[torch.Tens
     built on meta tensors); the rank is then traced as it is."""
     if not session.model_on_meta:
         return None
-    for on_meta in (True, False) if not session.ranks_off_meta else (False,):
+    for on_meta in (True, False) if not session.off_meta else (False,):
         with _process_group(rank, session.world_size), symbolic_rank(rank, session.world_size) as (symbol, guards):
             try:
                 graph, trained = _trace_program(session, rank, bound, memo, on_meta, symbol, light_only=True)
             except NotPlain:
                 return None
             except (ShardproofError, InternalError):
-                session.ranks_off_meta |= on_meta
                 continue
+        session.off_meta |= not on_meta
         return RankClass(graph, frozenset(guards)), trained
     return None
 
