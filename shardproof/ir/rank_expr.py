@@ -195,9 +195,10 @@ class RankExpr:
         return bool(self != 0)
 
     def __hash__(self) -> int:
-        """By form, so a RankExpr can key our own tables; a lookup that meets an int of the same
-        hash compares with `==`, which guards."""
-        return hash(self.form)
+        """By value, pinned: a dict or set lookup that misses compares nothing, so no `==` would
+        guard it (`{1: 0}.get(rank, default)` traced at rank 0 would give every rank the default).
+        Our own tables key by `form`."""
+        return hash(self._concrete())
 
     def _concrete(self) -> int:
         """The value, used as a plain int: the trace holds only where it is the same."""

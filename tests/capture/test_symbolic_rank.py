@@ -157,6 +157,7 @@ def test_a_bug_on_one_rank_gets_a_trace_of_its_own() -> None:
         lambda rank: [0, 3, 1, 2][rank],  # a list index: the value is pinned
         lambda rank: int(f"{rank}"),  # text
         lambda rank: len(range(rank)),
+        lambda rank: {1: 3, 3: 1}.get(rank, rank),  # a dict lookup: a miss compares nothing, the hash pins
     ],
 )
 def test_a_rank_used_as_a_plain_int_is_traced_rank_by_rank(pick: Callable[[Any], int]) -> None:

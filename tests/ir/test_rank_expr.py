@@ -56,6 +56,8 @@ COMPARISONS: list[Callable[[Any], bool]] = [
     lambda r: 4 <= r // 2,
     lambda r: bool(r % 3),
     lambda r: r in (1, 6, 9),
+    lambda r: r in {0, 3},  # a hashed lookup that misses compares nothing: pinned by the hash
+    lambda r: {1: 0}.get(r, 7),
 ]
 
 
