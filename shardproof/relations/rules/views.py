@@ -312,7 +312,7 @@ class ViewRules:
         if self.op(permuted.args[0]) != "view":  # blocks of a dim the program split, not dims of their own
             return None
         perm, box = permuted.attrs[0], term.attrs[0]
-        cut = [d for d, (lo, hi) in enumerate(box) if hi - lo == 1 and permuted.shape[d] > 1]
+        cut = _cut_to_one_index(box, permuted.shape)
         if not cut or shape != tuple(n for d, n in enumerate(term.shape) if d not in cut):
             return None
         inner_box: list[tuple[int, int]] = [(0, 0)] * len(perm)
@@ -341,7 +341,7 @@ class ViewRules:
         perm, box = permuted.attrs[0], self.u[x].attrs[0]
         groups = reshape_groups(self.shape(self.u[y].args[0]), self.shape(y)) or []
         splits = {gj[0]: gj[1:] for gi, gj in groups if len(gi) == 1 and len(gj) > 1}
-        cut = [perm[d] for d, (lo, hi) in enumerate(box) if hi - lo == 1 and permuted.shape[d] > 1]
+        cut = [perm[d] for d in _cut_to_one_index(box, permuted.shape)]
         where = {p: d for d, p in enumerate(perm)}
         return bool(cut) and all(c in splits and any(where[f] < where[c] for f in splits[c]) for c in cut)
 
@@ -469,6 +469,11 @@ def _reshaped_from(term) -> int | None:
 def _regroups(src: tuple[int, ...], dst: tuple[int, ...]) -> bool:
     """The reshape merges or splits dims, beyond adding or dropping size-1 ones."""
     return [n for n in src if n != 1] != [n for n in dst if n != 1]
+
+
+def _cut_to_one_index(box: tuple[tuple[int, int], ...], shape: tuple[int, ...]) -> list[int]:
+    """The dims of `shape` that `box` cuts from more than one index to one."""
+    return [d for d, (lo, hi) in enumerate(box) if hi - lo == 1 and shape[d] > 1]
 
 
 def _inserted_ones(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[int, ...] | None:
