@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from shardproof import verify
@@ -67,3 +68,64 @@ def test_a_combination_of_the_right_terms_with_the_wrong_signs_is_found_where_it
     assert Path(first.file).name == Path(__file__).name and "# BUG" in first.code, report.distributed
     fixed = case(False)
     assert verify(fixed, world_size=world_size).verdict == "equivalent" and run_numeric(fixed, world_size).agree
+
+
+# --- gradients accumulated over micro-batches, then averaged over ranks ---------------------------
+class GeluMlp(nn.Module):
+    """GELU's backward folds irrational constants into the gradient's coefficient (to 2^-59 here)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(HIDDEN, 2 * HIDDEN), nn.Linear(2 * HIDDEN, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+def _accumulating(micro_scale: int, op: dist.ReduceOp) -> Case:
+    """A bf16 model whose two micro-batches' gradients are summed in fp32 (each divided by
+    `micro_scale`; 2 is right), then reduced over the data-parallel ranks with `op` (AVG is right)."""
+
+    def step(model: nn.Module, inputs: tuple, rank: int, world_size: int) -> torch.Tensor:
+        (x,) = inputs
+        sums = {p: torch.zeros_like(p, dtype=torch.float32) for p in model.parameters()}
+        losses = []
+        for micro in x.chunk(2, 0):
+            loss = F.mse_loss(model(micro), micro)
+            (loss / micro_scale).backward()
+            for p, total in sums.items():
+                total.add_(p.grad.float())
+                p.grad = None
+            losses.append(loss.detach())
+        for p, total in sums.items():
+            dist.all_reduce(total, op=op)
+            p.grad = total.to(p.dtype)
+        return torch.stack(losses).mean()
+
+    def bf16(state: dict, rank: int, world_size: int) -> dict:
+        return {name: t.to(torch.bfloat16) for name, t in state.items()}
+
+    return Case(GeluMlp, lambda r, n: GeluMlp().to(torch.bfloat16), lambda: (torch.randn(8, HIDDEN),),
+                shard_input=lambda i, full, r, n: full.chunk(n, 0)[r].to(torch.bfloat16), shard_state=bf16,
+                loss=F.mse_loss, distributed_step=step)
+
+
+def test_accumulated_gradients_averaged_over_ranks_are_proven(checked_step) -> None:
+    assert checked_step(_accumulating(2, dist.ReduceOp.AVG), 2).verdict == "equivalent"
+
+
+def test_a_sum_where_the_mean_is_meant_names_the_reduce_op_and_the_rescaling_that_would_also_do(checked_step) -> None:
+    report = checked_step(_accumulating(2, dist.ReduceOp.SUM), 2)
+    assert report.kind == "wrong reduce op" and "(x2)" in report.diagnosis, report.diagnosis
+    assert report.distributed[0].op == "all_reduce"
+    assert report.fix.startswith("reduce with ReduceOp.AVG, not ReduceOp.SUM") and "or scale by 1/4 instead of 1/2" in report.fix
+
+
+def test_a_wrong_share_scale_is_reported_without_the_coefficients_float_constants_fold_to(checked_step) -> None:
+    """Divided by 8 where 2 is meant: no reduce op makes it right, so the division is the culprit,
+    and the fix is the share's scale (the whole's coefficient in the normal form is 2^-59-ish noise)."""
+    report = checked_step(_accumulating(8, dist.ReduceOp.AVG), 2)
+    assert report.kind == "wrong scale" and "(x1/4)" in report.diagnosis, report.diagnosis
+    assert report.distributed[0].op == "div in the backward"
+    assert report.fix.startswith("scale by 1/2 instead of 1/8 at line")
+    assert "576460752303423488" not in report.diagnosis + report.fix

@@ -5,6 +5,7 @@ are partial, which op introduced a term).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from fractions import Fraction
 
 from shardproof.ir.graph import Graph, Node
@@ -23,6 +24,7 @@ from shardproof.relations.diagnose.wrong_layout import LayoutFaults
 from shardproof.relations.diagnose.wrong_scale import ScaleFaults
 from shardproof.relations.execute import Execution
 from shardproof.relations.rules import Rules
+from shardproof.relations.rules.values import SIMPLE_DENOMINATOR
 from shardproof.relations.skipped import skipped_backward
 from shardproof.report.terms import describe, line_of, placement, value_name
 
@@ -213,18 +215,30 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
             extra, have, want = miscounted
             culprit = self._earliest(rank, node, lambda x: self._carrying(x, extra, have)) \
                 or self._introducing(rank, node, self._scaled)
+            factor = have / want
+            counted = f"{factor} times the reference value"
+            scaling = self._scaling_origin(rank, node, want)
             if OPS[culprit.op].kind == "collective":
                 repeated = self._double_reduction(rank, culprit)
                 if repeated is not None:
                     return repeated
-            factor = have / want
-            message = f"wrong scale (x{factor}): {factor} times the reference value"
-            scaling = self._scaling_origin(rank, node, want)
+                other_op = self._other_reduce_op(rank, culprit, factor, counted)
+                if other_op is not None and scaling is not None:  # rescaling the shares would do as well
+                    return replace(other_op, distributed=[*other_op.distributed, (rank, scaling[0])],
+                                   fix=f"{other_op.fix}, or scale by {scaling[1] / factor} instead of {scaling[1]} "
+                                   f"at {line_of(scaling[0])}")
+                if other_op is not None:
+                    return other_op
+            message = f"wrong scale (x{factor}): {counted}"
             fix = f"scale {value_name(culprit)} by {1 / factor} at {line_of(culprit)}"
             if scaling is None:
                 return Finding("discrepancy", "wrong scale", message, [(rank, culprit)], scale=factor, fix=fix)
-            where = f"; each share of it is scaled by {scaling[1]} here, where the reference scales the whole by {want}"
-            return Finding("discrepancy", "wrong scale", message + where, [(rank, scaling[0]), (rank, culprit)], scale=factor,
+            sites, share = [(rank, scaling[0]), (rank, culprit)], f"; each share of it is scaled by {scaling[1]} here"
+            if want.denominator > SIMPLE_DENOMINATOR:  # folded float constants, not a scale anyone wrote
+                return Finding("discrepancy", "wrong scale", message + share, sites, scale=factor,
+                               fix=f"scale by {scaling[1] / factor} instead of {scaling[1]} at {line_of(scaling[0])}")
+            return Finding("discrepancy", "wrong scale", f"{message}{share}, where the reference scales the whole by {want}",
+                           sites, scale=factor,
                            fix=f"scale by {want} (the whole) instead of {scaling[1]} (a share) at {line_of(scaling[0])}")
         return (self._wrong_axis_finding(rank, node) or self._misplaced_positions(rank, [node])
                 or self._unwritten_output(rank, node) or self._unexplained(rank, node))

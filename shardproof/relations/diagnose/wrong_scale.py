@@ -23,9 +23,9 @@ class ScaleFaults:
         same = self._ref_lins.get(frozenset(a for a, _ in parts))
         if same is not None:
             want = dict(zip(self.r.u[same].args, self.r.u[same].attrs[0]))
-            for a, c in parts:
-                if want.get(a) != c:
-                    return a, c, want[a]
+            wrong = [(a, c, want[a]) for a, c in parts if want[a] != c]
+            if wrong:  # the plainest coefficient speaks for them all: a float's rounding leaves 2^-59s
+                return min(wrong, key=lambda found: found[2].denominator)
         if len(parts) == 1 and self.r.in_reference(parts[0][0]) and parts[0][1] != 1:
             return parts[0][0], parts[0][1], Fraction(1)
         return None
