@@ -91,6 +91,17 @@ def test_fixed_case_and_lookalike_are_proven(path: Path, world_size: int) -> Non
     assert report.verdict == "equivalent", report.diagnosis
 
 
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize(("name", "mode"), [("einsum-row-parallel", "train"), ("interleaved-qkv", "forward")])
+def test_equivalent_refactorings_are_proven_in_their_other_mode(name: str, mode: str, world_size: int, checked) -> None:
+    """Issue 14's refactorings, proven above in their own mode, in the other: einsum's product trained
+    (its weight gradient a bmm over a batch of one, transposed back), the interleaved QKV's forward."""
+    case = load_case(CASES / f"{name}_lookalike.py")
+    case.mode = mode
+    report = checked(case, world_size)
+    assert report.verdict == "equivalent", report.diagnosis
+
+
 @pytest.mark.parametrize(("world_size", "train"), [(2, True), pytest.param(8, False, marks=pytest.mark.slow),
                                                   pytest.param(4, True, marks=pytest.mark.slow),
                                                   pytest.param(8, True, marks=pytest.mark.slow)])

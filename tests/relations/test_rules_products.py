@@ -320,6 +320,40 @@ def test_matmul_with_a_matrix_broadcast_over_the_batch_is_the_product_with_the_m
     assert y.term == b.op("matmul", x, w).term
 
 
+@pytest.mark.parametrize("batch", [(1,), (3,), (1, 2)])
+def test_a_matrix_broadcast_over_a_batch_times_a_matrix_is_the_product_broadcast(batch):
+    """einsum's bmm over a batch of one, a weight gradient's rows given a size-1 batch: the batch
+    copies of one product, the broadcast outside it."""
+    b = Build()
+    x, w = b.leaf("x", (6, 4)), b.leaf("w", (4, 3))
+    y = b.op("matmul", b.expand(b.view(x, (1,) * len(batch) + x.shape), batch + x.shape), w)
+    b.check(y)
+    assert b.op_of(y) == "bcast" and b.u[y.term].args[0] == b.op("matmul", x, w).term
+
+
+def test_a_batch_of_ones_contraction_over_flattened_rows_is_the_sum_of_the_per_batch_contractions():
+    """einsum's weight gradient: a bmm over a batch of one of g's transposed flattened rows and x's,
+    the matrices' contraction (the sum over the batch of g[i].T @ x[i]) with its batch of one."""
+    b = Build()
+    g, x = b.leaf("g", (2, 6, 3)), b.leaf("x", (2, 6, 4))
+    rows = b.permute(b.view(g, (1, 12, 3)), (0, 2, 1))
+    y = b.op("matmul", rows, b.view(x, (1, 12, 4)))
+    b.check(y)
+    flat = b.op("matmul", b.permute(b.view(g, (12, 3)), (1, 0)), b.view(x, (12, 4)))
+    assert b.op_of(flat) == "sum" and b.u[y.term].args[0] == flat.term
+
+
+@SETTINGS
+@given(st.integers(1, 4), st.integers(1, 4), st.integers(1, 4))
+def test_a_transposed_matrix_product_is_the_product_of_the_transposes(m, k, n):
+    """(A @ B)^T = B^T @ A^T for matrices too: einsum's weight gradient is a bmm transposed back."""
+    b = Build()
+    x, w = b.leaf("x", (m, k)), b.leaf("w", (k, n))
+    y = b.permute(b.op("matmul", x, w), (1, 0))
+    b.check(y)
+    assert y.term == b.op("matmul", b.permute(w, (1, 0)), b.permute(x, (1, 0))).term
+
+
 @SETTINGS
 @given(st.integers(1, 3), st.integers(1, 4), st.booleans(), st.booleans())
 def test_a_product_with_a_reciprocal_is_a_division(rows, cols, broadcast, first):

@@ -266,3 +266,19 @@ def test_a_sum_over_flattened_rows_of_a_product_is_the_sum_over_the_rows_dims():
     flat = b.op("sum", b.op("matmul", b.view(x, (6, 4)), w), attrs=((0,), False))
     b.check(flat)
     assert flat.term == b.op("sum", b.op("matmul", x, w), attrs=((0, 1), False)).term
+
+
+@SETTINGS
+@given(st.sets(st.integers(0, 3), min_size=1, max_size=3), st.data())
+def test_a_permuted_reduction_is_the_reduction_of_its_operand_permuted(reduced, data):
+    """A weight gradient summed over the batch, then transposed: the sum of the transposed operand,
+    the reduced dims left in place."""
+    op = data.draw(st.sampled_from(["sum", "amax"]))
+    b = Build()
+    x = b.leaf("x", (2, 3, 4, 5))
+    dims = tuple(sorted(reduced))
+    kept = 4 - len(dims)
+    perm = tuple(data.draw(st.permutations(range(kept))))
+    y = b.permute(b.op(op, x, attrs=(dims, False)), perm)
+    b.check(y)
+    assert b.op_of(y) == op if perm != tuple(range(kept)) else y.term == b.op(op, x, attrs=(dims, False)).term

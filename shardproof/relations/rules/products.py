@@ -107,6 +107,11 @@ def matmul(r: Rules, op: str, args, attrs, shape, dtype) -> int:
     if tb.op == "bcast" and tb.attrs[0] == (len(shape) - 2, len(shape) - 1) and r.shape(a)[:-2] == shape[:-2]:
         # one matrix broadcast over the batch (einsum's bmm): the product with the matrix itself
         return r.build(op, (a, tb.args[0]), attrs, shape, dtype)
+    if ta.op == "bcast" and ta.attrs[0] == (len(shape) - 2, len(shape) - 1) and len(r.shape(b)) == 2:
+        # a matrix broadcast over a batch times one matrix: the product broadcast (bcast stays outside
+        # compute ops), as einsum's bmm over a batch of one leaves a weight gradient
+        product = r.build(op, (ta.args[0], b), attrs, shape[-2:], dtype)
+        return r.bcast(product, shape, ta.attrs[0])
     if ta.op == "permute" and ta.attrs[0][-1] == len(ta.shape) - 1 and len(r.shape(b)) == 2:
         inner = ta.args[0]  # rows permuted, contraction dim in place: permute the product instead
         product = r.build(op, (inner, b), attrs, r.shape(inner)[:-1] + shape[-1:], dtype)
@@ -152,7 +157,15 @@ def _flattened_contraction(r: Rules, a: int, b: int, attrs, shape, dtype) -> int
     """g.view(n*s, k).T @ x.view(n*s, h), rows flattened from the same leading dims and contracted
     (a weight gradient of batch-first activations), is the sum over the leading dims of the
     per-row-group products g[i].T @ x[i]. A rank's sequence shard x[:, s0:s1] is then a range of
-    each product's contraction, which no range of the flattened rows is."""
+    each product's contraction, which no range of the flattened rows is. A batch of ones (einsum's
+    bmm) is the matrices' product with its ones put back."""
+    if len(shape) > 2 and all(n == 1 for n in shape[:-2]) and len(r.shape(a)) == len(r.shape(b)) == len(shape):
+        a, b = _without_batch_ones(r, a), _without_batch_ones(r, b)
+        source = viewed_from(r, b)
+        if source is None or math.prod(source[:-2]) == 1:
+            return None  # rows of one dim: no batch to sum over (the per-batch products have a batch of one)
+        flat = _flattened_contraction(r, a, b, attrs, shape[-2:], dtype)
+        return None if flat is None else r.view(flat, shape)
     if len(shape) != 2:
         return None
     source = viewed_from(r, b)
@@ -166,6 +179,16 @@ def _flattened_contraction(r: Rules, a: int, b: int, attrs, shape, dtype) -> int
     g_t = r.permute(g, lead + (len(rows), len(rows) - 1))
     batched = r.build("matmul", (g_t, x), attrs, rows[:-1] + shape, dtype)
     return r.build("sum", (batched,), (lead, False), shape, dtype)
+
+
+def _without_batch_ones(r: Rules, t: int) -> int:
+    """A matrix over a batch of ones as the matrix: a permute that keeps the batch in place is the
+    matrix's permute (einsum transposes its bmm's operands under a batch of one)."""
+    term, k = r.u[t], len(r.shape(t)) - 2
+    if term.op == "permute" and term.attrs[0][:k] == tuple(range(k)):
+        inner = _without_batch_ones(r, term.args[0])
+        return r.permute(inner, tuple(p - k for p in term.attrs[0][k:]))
+    return r.view(t, r.shape(t)[k:])
 
 
 def _exposed_cat(r: Rules, t: int) -> int | None:

@@ -456,13 +456,22 @@ class RegionRules:
         if term.op == "permute":
             return self.permute(term.args[0], tuple(term.attrs[0][p] for p in perm))
         n = len(perm)
-        if term.op == "matmul" and n > 2 and perm == tuple(range(n - 2)) + (n - 1, n - 2) and all(len(self.shape(a)) == n for a in term.args):
+        if term.op == "matmul" and n >= 2 and perm == tuple(range(n - 2)) + (n - 1, n - 2) and all(len(self.shape(a)) == n for a in term.args):
             # (A @ B)^T = B^T @ A^T: a product transposed (autograd's gradient of a right operand)
-            # is the product of the transposes (flash attention's dK = dS^T @ Q)
+            # is the product of the transposes (flash attention's dK = dS^T @ Q; einsum's weight
+            # gradient, a bmm of the transposed rows transposed back)
             a, b = (self.permute(x, perm) for x in term.args)
             return self.build("matmul", (b, a), (), shape, term.dtype)
         if term.op in PARTS:
             return self._map_parts(x, lambda t: self.permute(t, perm), shape)
+        if term.op in ("sum", "amax") and not term.attrs[1]:
+            # a reduction's result permuted is the reduction of its operand with the kept dims
+            # permuted alike (a weight gradient summed over the batch, then transposed)
+            reduced = term.attrs[0]
+            kept = [d for d in range(len(self.shape(term.args[0]))) if d not in reduced]
+            moved = iter(kept[p] for p in perm)
+            order = tuple(d if d in reduced else next(moved) for d in range(len(kept) + len(reduced)))
+            return self.build(term.op, (self.permute(term.args[0], order),), term.attrs, shape, term.dtype)
         if term.op == "full":
             return self.literal("full", (), term.attrs, shape, term.dtype)
         if term.op == "slice":
