@@ -526,3 +526,15 @@ def test_a_row_of_a_dim_the_view_kept_is_no_block():
     y = b.view(b.box(moved, ((1, 2), (0, 8), (16, 32))), (8, 16))
     b.check(y)
     assert b.is_slice_of(y, b.view(moved, (16, 32)))
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 4, 5, 1), (2, 3, 4, 1, 5), (2, 3, 1, 4, 5, 1)])
+def test_a_products_batch_regrouped_with_ones_added_is_the_regrouped_product(shape):
+    """einsum views its bmm over b*heads as (b, heads, m, 1, n), a one for the dim it contracted:
+    the per-head products, the ones added outside them."""
+    b = Build()
+    x, w = b.leaf("x", (6, 4, 3)), b.leaf("w", (6, 3, 5))
+    y = b.view(b.op("matmul", x, w), shape)
+    b.check(y)
+    per_head = b.op("matmul", b.view(x, (2, 3, 4, 3)), b.view(w, (2, 3, 3, 5)))
+    assert b.op_of(y) == "bcast" and b.u[y.term].args[0] == per_head.term

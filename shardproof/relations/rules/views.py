@@ -88,6 +88,13 @@ class ViewRules:
             regrouped = self._view_matmul_batch(x, shape)
             if regrouped is not None:
                 return regrouped
+        batch = _batch_regrouped(term.shape, shape) if term.op == "matmul" and len(term.shape) > 2 else None
+        if batch is not None:
+            # the batch regrouped and size-1 dims put among the matrix dims (einsum unflattens its
+            # bmm's batch with a one for each dim it contracted): the regrouped product, the ones added after
+            regrouped = self._view_matmul_batch(x, batch + term.shape[-2:])
+            if regrouped is not None:
+                return self.view(regrouped, shape)
         return self.literal("view", (x,), (), shape, term.dtype)
 
     def _cat_factored(self, x: int) -> tuple[int, Fraction] | None:
@@ -489,6 +496,21 @@ def _inserted_ones(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[int, ...
         dims.append(j)
         j += 1
     return tuple(dims) if all(dst[k] == 1 for k in range(j, len(dst))) else None
+
+
+def _batch_regrouped(product: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The batch dims of `shape`, when reshaping a `product`-shaped batched product to it regroups
+    only the batch and adds size-1 dims among or after the matrix dims (None otherwise, and where
+    `shape` adds no such dims, `_view_matmul_batch`'s case, and for a batch of ones, whose reshapes
+    the layout rules of a batch of one meet)."""
+    count, size = 0, 1
+    while count < len(shape) and size < math.prod(product[:-2]):
+        size *= shape[count]
+        count += 1
+    rest = shape[count:]
+    if not count or size != math.prod(product[:-2]) or len(rest) == 2 or _without_ones(rest) != _without_ones(product[-2:]):
+        return None
+    return shape[:count]
 
 
 def _without_ones(shape: tuple[int, ...]) -> tuple[int, ...]:
