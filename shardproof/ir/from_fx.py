@@ -1131,6 +1131,37 @@ def _is_arange(lo: Lowerer, value: int, n: int) -> bool:
     return lo.graph[value].op == "const" and lo.graph[value].attrs[0] == ("arange", 0, n, 1)
 
 
+def _index_select(lo: Lowerer, x, dim: int, index) -> int:
+    """`x.index_select(dim, idx)` with indices the graph holds as a constant: the rows picked, a
+    slice per run of consecutive indices, joined along dim. A permutation of the ranks' blocks put
+    back in order is then a cat of the blocks, which the layout laws read; other indices stay open."""
+    value = lo.tensor(x)
+    dim = _dim(dim, len(lo.shape(value)))
+    rows = _constant_rows(lo, lo.tensor(index), lo.shape(value)[dim])
+    if rows is None:
+        raise Declined
+    runs: list[list[int]] = []
+    for row in rows:
+        if runs and runs[-1][1] == row:
+            runs[-1][1] += 1
+        else:
+            runs.append([row, row + 1])
+    parts = tuple(slice_value(lo, value, dim, lo_, hi) for lo_, hi in runs)
+    return parts[0] if len(parts) == 1 else lo.emit("cat", parts, (dim,))
+
+
+def _constant_rows(lo: Lowerer, index: int, size: int) -> list[int] | None:
+    """The entries of a 1-D integer constant, all rows of a dim of `size`, or None."""
+    node = lo.graph[index]
+    if node.op != "const" or len(node.shape) != 1 or not node.shape[0] or not node.dtype.startswith(("int", "uint")):
+        return None
+    kind, values = node.attrs[0][0], node.attrs[0][1]
+    rows = [values] * node.shape[0] if kind == "full" else list(values) if kind == "values" else None
+    if rows is None or not all(type(i) is int and 0 <= i < size for i in rows):
+        return None
+    return rows
+
+
 def _every_row(lo: Lowerer, indices: list, shape: tuple[int, ...]) -> bool:
     """The indices are one `arange(n)` over all n rows: every row, in order."""
     return len(indices) == 1 and isinstance(indices[0], fx.Node) and bool(shape) and _is_arange(lo, lo.tensor(indices[0]), shape[0])
@@ -1510,6 +1541,7 @@ _LOWER: dict[str, Callable[..., Value]] = {
     "aten.embedding": _embedding,
     "aten.gather": _gather,
     "aten.index": _index,
+    "aten.index_select": _index_select,
     "aten.clamp": _clamp,
     "aten.clamp_min": lambda lo, x, min: _clamp(lo, x, min=min),
     "aten.clamp_max": lambda lo, x, max: _clamp(lo, x, max=max),
