@@ -1106,11 +1106,17 @@ def _index(lo: Lowerer, x, indices) -> int:
     """`x[arange(n), idx]`, entry idx[i] of row i: a gather along dim 1 (cross entropy's label
     lookup). When x and idx are flattenings of the same leading dims, the gather is taken on the
     unflattened tensors, where a reference's `gather(logits, -1, labels[..., None])` looks.
-    `x[arange(n)]` (`x[arange(n), :]`, as Megatron's backward reads every row) is x."""
+    `x[arange(n)]` (`x[arange(n), :]`, as Megatron's backward reads every row) is x; `x[:, idx]`
+    with one constant index is `index_select`'s rows."""
     value = lo.tensor(x)
     shape = lo.shape(value)
     if _every_row(lo, indices, shape):
         return value
+    dim = len(indices) - 1
+    if isinstance(indices[-1], fx.Node) and all(i is None for i in indices[:-1]):
+        rows = _constant_rows(lo, lo.tensor(indices[-1]), shape[dim])
+        if rows is not None:
+            return _rows_joined(lo, value, dim, rows)
     if len(indices) != 2 or len(shape) < 2 or not all(isinstance(i, fx.Node) for i in indices):
         raise Declined
     rows, idx = (lo.tensor(i) for i in indices)
@@ -1140,6 +1146,11 @@ def _index_select(lo: Lowerer, x, dim: int, index) -> int:
     rows = _constant_rows(lo, lo.tensor(index), lo.shape(value)[dim])
     if rows is None:
         raise Declined
+    return _rows_joined(lo, value, dim, rows)
+
+
+def _rows_joined(lo: Lowerer, value: int, dim: int, rows: list[int]) -> int:
+    """Rows `rows` of `value` along `dim`: a slice per run of consecutive rows, joined along dim."""
     runs: list[list[int]] = []
     for row in rows:
         if runs and runs[-1][1] == row:

@@ -10,14 +10,17 @@ from shardproof.ir.from_fx import Lowerer
 from shardproof.ir.run import run_graph
 
 
+@pytest.mark.parametrize("spelling", ["index_select", "index"])
 @pytest.mark.parametrize("rows", [[1, 0], [3, 2, 1, 0], [2, 3, 0, 1], [0, 0, 2], [3, 1], [2]])
-def test_index_select_at_constant_rows_lowers_to_slices_of_the_rows(rows: list[int]) -> None:
-    """The ranks' blocks of an all-gathered tensor put back in order by a constant permutation: a
-    cat of slices, one per run of consecutive rows, and no open op left."""
+def test_rows_picked_at_constant_indices_lower_to_slices_of_the_rows(rows: list[int], spelling: str) -> None:
+    """The ranks' blocks of an all-gathered tensor put back in order by a constant permutation
+    (`x.index_select(1, idx)` or `x[:, idx]`): a cat of slices, one per run of consecutive rows, and
+    no open op left."""
     x = torch.randn(2, 4, 3, dtype=torch.float64)
     index = torch.tensor(rows)
-    program = make_fx(lambda t: t.index_select(1, index) * 2)(x)
+    pick = (lambda t: t.index_select(1, index)) if spelling == "index_select" else (lambda t: t[:, index])
+    program = make_fx(lambda t: pick(t) * 2)(x)
     graph = Lowerer(program, ["x"], lambda node: None, [], lambda group: (), None).run()
     assert not any(node.op.startswith("aten.") for node in graph.nodes)
     (lowered,) = run_graph(graph, {"x": x})
-    torch.testing.assert_close(lowered, x.index_select(1, index) * 2)
+    torch.testing.assert_close(lowered, pick(x) * 2)
