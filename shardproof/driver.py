@@ -21,6 +21,7 @@ from shardproof.partition.structure import structural
 from shardproof.programs import Captured, NumericResult
 from shardproof.prove import Proof, prove
 from shardproof.report.model import Report, Site
+from shardproof.report.rank_flow import rank_lost
 
 
 @dataclass
@@ -113,12 +114,17 @@ def _report(proof: Proof, candidate: Candidate, seconds: float) -> Report:
 
 def _sites(node: Node, rank: int) -> list[Site]:
     """A distributed op's site, after the line that chose the rank its offsets stand for when that
-    is another: a rank's neighbour or group picked wrongly is fixed there."""
+    is another: a rank's neighbour or group picked wrongly is fixed there; or, with no rank in
+    them at all, the line that gave a name holding a rank a value that is none (a constant leaves
+    no trace in the symbolic rank: rank_flow reads the source)."""
     chosen = node.loc.rank_chosen if node.loc else None
     own = _site(node, rank)
-    if chosen is None:
+    if chosen is not None:
+        return [Site(chosen.file, chosen.line, chosen.code, f"rank for {own.op}", rank, node.name), own]
+    lost = rank_lost(node.loc.file, node.loc.line) if node.loc else None
+    if lost is None or lost.line == own.line:
         return [own]
-    return [Site(chosen.file, chosen.line, chosen.code, f"rank for {own.op}", rank, node.name), own]
+    return [Site(own.file, lost.line, lost.code, f"`{lost.name}` = `{lost.value}`, not the rank, for {own.op}", rank, node.name), own]
 
 
 def _site(node: Node, rank: int | None) -> Site:

@@ -1,6 +1,7 @@
 """The driver's sites: a rank chosen wrongly (a neighbour's, taken as a remainder of the rank) is
-named first at the line that chose it, before the op whose offset it makes. The buggy program
-disagrees numerically and is found there; the fixed twin is proven and agrees."""
+named first at the line that chose it, before the op whose offset it makes; a rank lost (a
+constant passed for it) at the line that passes the constant. The buggy programs disagree
+numerically and are found there; the fixed twin is proven and agrees."""
 
 from __future__ import annotations
 
@@ -40,6 +41,10 @@ def neighbour(rank: int, world_size: int) -> nn.Module:
     return VocabParallelEmbedding((rank + 1) % world_size, world_size)  # BUG: a neighbour's rows
 
 
+def constant(rank: int, world_size: int) -> nn.Module:
+    return VocabParallelEmbedding(0, world_size)  # BUG: rank 0's rows at every rank
+
+
 def own(rank: int, world_size: int) -> nn.Module:
     return VocabParallelEmbedding(rank, world_size)
 
@@ -55,8 +60,9 @@ def case(distributed, world_size: int) -> Case:
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_a_rank_chosen_wrongly_is_named_at_the_line_that_chose_it(world_size: int) -> None:
-    buggy = case(neighbour, world_size)
+@pytest.mark.parametrize("wrong", [neighbour, constant])
+def test_a_rank_chosen_wrongly_is_named_at_the_line_that_chose_it(wrong, world_size: int) -> None:
+    buggy = case(wrong, world_size)
     assert not run_numeric(buggy, world_size).agree
     report = verify(buggy, world_size=world_size)
     assert report.verdict == "discrepancy", report.diagnosis

@@ -1,0 +1,103 @@
+"""rank_flow: from an op's line back to the line that gave a name holding a rank a value that is
+none (the line to fix), through assignments, `self.x` and the calls that pass parameters; none in
+a program that passes the rank along, or takes it from a call, a field or an element."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from shardproof.report.rank_flow import rank_lost
+
+PROGRAMS = {
+    "a constructor given 0": """
+        class Shard:
+            def __init__(self, rank, world_size):
+                self.rank, self.rows = rank, 8 // world_size
+
+            def forward(self, x):
+                return x[self.rank * self.rows : (self.rank + 1) * self.rows]  # USE
+
+        def distributed(rank, world_size):
+            return Shard(0, world_size)  # LOST
+    """,
+    "an attribute set to 0": """
+        class Shard:
+            def __init__(self, rank, world_size):
+                self.rows = 8 // world_size
+                self.rank = 0  # LOST
+
+            def forward(self, x):
+                start = self.rank * self.rows
+                return x[start : start + self.rows]  # USE
+    """,
+    "a remainder of no rank": """
+        def shard_state(state, rank, world_size, tp=2):
+            tp_rank = 0 % tp  # LOST
+            return {"w": state["w"].chunk(tp)[tp_rank]}  # USE
+    """,
+    "a keyword given 0, two calls up": """
+        def cut(x, tp_rank, tp_size):
+            rows = x.shape[0] // tp_size
+            return x[tp_rank * rows : (tp_rank + 1) * rows]  # USE
+
+        class Model:
+            def __init__(self, rank, world_size):
+                self.rank, self.world_size = rank, world_size
+
+            def forward(self, x):
+                return cut(x, tp_rank=self.rank, tp_size=self.world_size)
+
+        def distributed(rank, world_size):
+            return Model(
+                0,  # LOST
+                world_size,
+            )
+    """,
+}
+
+FINE = {
+    "the rank passed along": PROGRAMS["a constructor given 0"].replace("Shard(0,", "Shard(rank,"),
+    "a rank from a call": PROGRAMS["an attribute set to 0"].replace("self.rank = 0", "self.rank = dist.get_rank()"),
+    "a rank from a field": PROGRAMS["a remainder of no rank"].replace("0 % tp", "state['coords'].tp"),
+    "a count of ranks": """
+        def cut(x, world_size):
+            n_rank = 2
+            return x[: x.shape[0] // n_rank]  # USE
+    """,
+}
+
+
+def _lines(tmp_path: Path, source: str) -> tuple[str, dict[str, int]]:
+    text = textwrap.dedent(source)
+    path = tmp_path / "program.py"
+    path.write_text(text)
+    marks = {mark: number for number, line in enumerate(text.splitlines(), 1) for mark in ("USE", "LOST")
+             if line.endswith(f"# {mark}")}
+    return str(path), marks
+
+
+@pytest.mark.parametrize("name", PROGRAMS)
+def test_the_line_that_lost_the_rank_is_found_from_its_use(tmp_path: Path, name: str) -> None:
+    path, marks = _lines(tmp_path, PROGRAMS[name])
+    lost = rank_lost(path, marks["USE"])
+    assert lost is not None and lost.line == marks["LOST"], lost
+
+
+@pytest.mark.parametrize("name", FINE)
+def test_no_line_lost_a_rank_where_one_is_passed_or_may_be(tmp_path: Path, name: str) -> None:
+    path, marks = _lines(tmp_path, FINE[name])
+    assert rank_lost(path, marks["USE"]) is None
+
+
+def test_an_edited_file_is_read_again(tmp_path: Path) -> None:
+    path, marks = _lines(tmp_path, PROGRAMS["a constructor given 0"])
+    assert rank_lost(path, marks["USE"]) is not None
+    Path(path).write_text(textwrap.dedent(FINE["the rank passed along"]) + "\n")
+    assert rank_lost(path, marks["USE"]) is None
+
+
+def test_a_file_that_cannot_be_read_names_no_line(tmp_path: Path) -> None:
+    assert rank_lost(str(tmp_path / "gone.py"), 3) is None
