@@ -105,7 +105,8 @@ def _report(proof: Proof, candidate: Candidate, seconds: float) -> Report:
         report.claims = failing_claims(proof.findings)
         report.kind, report.claim, report.fix, report.regions = finding.kind, finding.claim, finding.fix, finding.regions
         report.diagnosis = finding.message + (f"; note: {candidate.caveat}" if candidate.caveat else "")
-        report.distributed = _located_first(_unique([s for rank, node in finding.distributed for s in _sites(node, rank)]))
+        located = _located_first(_unique([s for rank, node in finding.distributed for s in _sites(node, rank)]))
+        report.distributed = _rank_lost_first(located)
         report.reference = _located_first(_unique([_site(node, None) for node in finding.reference]))
         if finding.verdict == "unknown":
             report.unknown = {"op": finding.op or "", "reason": report.diagnosis}
@@ -114,17 +115,29 @@ def _report(proof: Proof, candidate: Candidate, seconds: float) -> Report:
 
 def _sites(node: Node, rank: int) -> list[Site]:
     """A distributed op's site, after the line that chose the rank its offsets stand for when that
-    is another: a rank's neighbour or group picked wrongly is fixed there; or, with no rank in
-    them at all, the line that gave a name holding a rank a value that is none (a constant leaves
-    no trace in the symbolic rank: rank_flow reads the source)."""
+    is another: a rank's neighbour or group picked wrongly is fixed there."""
     chosen = node.loc.rank_chosen if node.loc else None
     own = _site(node, rank)
-    if chosen is not None:
-        return [Site(chosen.file, chosen.line, chosen.code, f"rank for {own.op}", rank, node.name), own]
-    lost = rank_lost(node.loc.file, node.loc.line) if node.loc else None
-    if lost is None or lost.line == own.line:
+    if chosen is None:
         return [own]
-    return [Site(own.file, lost.line, lost.code, f"`{lost.name}` = `{lost.value}`, not the rank, for {own.op}", rank, node.name), own]
+    return [Site(chosen.file, chosen.line, chosen.code, f"rank for {own.op}", rank, node.name), own]
+
+
+def _rank_lost_first(sites: list[Site]) -> list[Site]:
+    """The sites, after the line that gave a name holding a rank a value that is none, found from
+    the first of them that leads to one (a constant leaves no trace in the symbolic rank:
+    rank_flow reads the source); unless the first site already names the line that chose a rank."""
+    if not sites or sites[0].op.startswith("rank for "):
+        return sites
+    for site in sites:
+        lost = rank_lost(site.file, site.line)
+        if lost is not None and (site.file, lost.line) == (sites[0].file, sites[0].line):
+            return sites
+        if lost is not None:
+            named = Site(site.file, lost.line, lost.code, f"`{lost.name}` = `{lost.value}`, not the rank, for {site.op}",
+                         site.rank, site.node)
+            return _unique([named, *sites])
+    return sites
 
 
 def _site(node: Node, rank: int | None) -> Site:

@@ -5,8 +5,9 @@ a fault in them shows where the offset is used, but is fixed where the rank was 
 passing `0` for a `rank` parameter, `self.rank = 0`, `tp_rank = 0 % tp`. The symbolic rank
 remembers the lines that regroup it (`RankExpr.origin`), but a constant leaves no trace in it, so
 this reads the source (`ast`, the op's file): from the names the op's line uses back through their
-assignments in the function, `self.x` through its assignments in the class, and parameters
-through the calls that pass them, to the nearest binding of a rank's name (`rank`, `tp_rank`; not
+assignments in the function, `self.x` through its assignments in the class, parameters through
+the calls that pass them, and into the calls of this file whose results they are (a helper called
+with `0` for its `rank`), to the nearest binding of a rank's name (`rank`, `tp_rank`; not
 `per_rank`, a count) to an expression of literals and names holding no rank (`0`, `0 % tp`; a
 call, a field or an element may be one: `get_rank()`, `runs[0].stage`).
 """
@@ -88,7 +89,7 @@ class _Source:
             for child in ast.iter_child_nodes(node):
                 self.parent[child] = node
         self.calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
-        self.classes = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+        self.functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
 
     # --- the search ---------------------------------------------------------------------------
     def lost(self, line: int) -> RankLost | None:
@@ -100,7 +101,10 @@ class _Source:
             slot = slots.popleft()
             for at, value, scope in self._bindings(slot):
                 if holds_rank(slot[2]) and not may_hold_rank(value):
-                    return RankLost(at, self.lines[at - 1].strip(), slot[2], ast.get_source_segment(self.text, value) or "")
+                    return self._lost_at(at, slot[2], value)
+                lost = self._given_no_rank(value)
+                if lost is not None:
+                    return lost
                 for node in ast.walk(value):
                     used = self._slots_used(node, scope) if isinstance(node, (ast.Name, ast.Attribute)) else None
                     if used is not None and used not in seen:
@@ -144,27 +148,40 @@ class _Source:
         """What the calls of `function` pass for its parameter `name`."""
         if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
             return
-        owner = self._class(function)
-        params = [a.arg for a in [*function.args.posonlyargs, *function.args.args]]
-        if owner is not None and _self_name(function):
-            params = params[1:]
         for call in self.calls:
-            if not self._calls(call, function, owner):
-                continue
-            if isinstance(call.func, ast.Attribute) and call.func.attr == "apply":
-                positions = params[1:]  # an autograd Function's forward: ctx first
-            else:
-                positions = params
-            value = next((k.value for k in call.keywords if k.arg == name), None)
-            if value is None and name in positions:
-                index = positions.index(name)
-                args = call.args[: next((i for i, a in enumerate(call.args) if isinstance(a, ast.Starred)), len(call.args))]
-                value = args[index] if index < len(args) else None
+            value = self._passed(call, function).get(name) if self._calls(call, function) else None
             if value is not None:
                 yield value.lineno, value, self._scope(call)
 
-    def _calls(self, call: ast.Call, function: ast.FunctionDef | ast.AsyncFunctionDef, owner: ast.ClassDef | None) -> bool:
-        func = call.func
+    def _passed(self, call: ast.Call, function: ast.FunctionDef | ast.AsyncFunctionDef) -> dict[str, ast.expr]:
+        """The argument a call of `function` passes for each of its parameters (up to a `*args`)."""
+        params = [a.arg for a in [*function.args.posonlyargs, *function.args.args]]
+        if _self_name(function) and self._class(function) is not None:
+            params = params[1:]
+        if isinstance(call.func, ast.Attribute) and call.func.attr == "apply":
+            params = params[1:]  # an autograd Function's forward: ctx first
+        starred = next((i for i, a in enumerate(call.args) if isinstance(a, ast.Starred)), len(call.args))
+        passed = dict(zip(params, call.args[:starred]))
+        passed.update((k.arg, k.value) for k in call.keywords if k.arg is not None)
+        return passed
+
+    def _given_no_rank(self, value: ast.expr) -> RankLost | None:
+        """A call in `value`, of a function of this file, passing what holds no rank for a parameter named as a rank."""
+        for call in (n for n in ast.walk(value) if isinstance(n, ast.Call)):
+            for function in self.functions:
+                if self._calls(call, function):
+                    for name, argument in self._passed(call, function).items():
+                        if holds_rank(name) and not may_hold_rank(argument):
+                            return self._lost_at(argument.lineno, name, argument)
+        return None
+
+    def _lost_at(self, line: int, name: str, value: ast.expr) -> RankLost:
+        return RankLost(line, self.lines[line - 1].strip(), name, ast.get_source_segment(self.text, value) or "")
+
+    def _calls(self, call: ast.Call, function: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+        """Whether `call` may call `function` (by its name; a class's by the class's, an autograd
+        Function's forward by `apply`)."""
+        func, owner = call.func, self._class(function)
         if owner is None:
             return isinstance(func, ast.Name) and func.id == function.name
         if function.name == "__init__":

@@ -1,6 +1,7 @@
 """rank_flow: from an op's line back to the line that gave a name holding a rank a value that is
-none (the line to fix), through assignments, `self.x` and the calls that pass parameters; none in
-a program that passes the rank along, or takes it from a call, a field or an element."""
+none (the line to fix), through assignments, `self.x`, the calls that pass parameters and the
+calls whose results the values are; none in a program that passes the rank along, or takes it from
+a call, a field or an element."""
 
 from __future__ import annotations
 
@@ -56,12 +57,22 @@ PROGRAMS = {
                 world_size,
             )
     """,
+    "a helper called with 0, its result used": """
+        def local_rows(rank, world_size):
+            per = 8 // world_size
+            return range(rank * per, (rank + 1) * per)
+
+        def shard_state(state, rank, world_size):
+            rows = local_rows(0, world_size)  # LOST
+            return {"w": state["w"][rows.start : rows.stop]}  # USE
+    """,
 }
 
 FINE = {
     "the rank passed along": PROGRAMS["a constructor given 0"].replace("Shard(0,", "Shard(rank,"),
     "a rank from a call": PROGRAMS["an attribute set to 0"].replace("self.rank = 0", "self.rank = dist.get_rank()"),
     "a rank from a field": PROGRAMS["a remainder of no rank"].replace("0 % tp", "state['coords'].tp"),
+    "a helper called with the rank": PROGRAMS["a helper called with 0, its result used"].replace("(0,", "(rank,"),
     "a count of ranks": """
         def cut(x, world_size):
             n_rank = 2
