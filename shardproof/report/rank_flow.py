@@ -8,8 +8,7 @@ this reads the source (`ast`, the op's file): from the names the op's line uses 
 assignments in the function, `self.x` through its assignments in the class, parameters through
 the calls that pass them, and into the calls of this file whose results they are (a helper called
 with `0` for its `rank`), to the nearest binding of a rank's name (`rank`, `tp_rank`; not
-`per_rank`, a count) to an expression of literals and names holding no rank (`0`, `0 % tp`; a
-call, a field or an element may be one: `get_rank()`, `runs[0].stage`).
+`per_rank`, a count; not `root_rank`) to a number (`0`, `0 % tp`: see `constant_for_rank`).
 """
 
 from __future__ import annotations
@@ -23,7 +22,8 @@ from dataclasses import dataclass
 from typing import Iterator, Union
 
 _RANK_NAME = re.compile(r"(^|_)rank$")
-_COUNT = re.compile(r"(^|_)(per|num|n)_rank$")  # ranks per group: a count, not a rank
+# a count of ranks (`per_rank`), or a rank that is a constant by design (a root's, a source's)
+_NOT_OWN = re.compile(r"(^|_)(per|num|n|src|dst|root)_rank$")
 _LIMIT = 400  # names followed at most: a line's values reach back through a whole model otherwise
 
 Scope = Union[ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda]
@@ -68,16 +68,19 @@ def _parsed(file: str, stamp: tuple[int, int]) -> _Source | None:
 
 
 def holds_rank(name: str) -> bool:
-    return bool(_RANK_NAME.search(name)) and not _COUNT.search(name)
+    return bool(_RANK_NAME.search(name)) and not _NOT_OWN.search(name)
 
 
-def may_hold_rank(value: ast.AST) -> bool:
-    """Whether an expression may evaluate to a rank: it names one, calls something or reads a
-    field or an element of something (`runs[0].stage`)."""
-    for node in ast.walk(value):
-        if isinstance(node, (ast.Call, ast.Subscript, ast.Attribute)) or isinstance(node, ast.Name) and "rank" in node.id.lower():
-            return True
-    return False
+def constant_for_rank(value: ast.AST) -> bool:
+    """Whether an expression puts a number where the rank goes: an int literal, or arithmetic whose
+    first operand is one (`0 % tp`, `(0 + 1) * rows`). A name (`r`, `peer`), a call
+    (`get_rank()`), a field or an element (`runs[0].stage`) may be a rank; a tuple a loop runs
+    over (`for rank in (0, 1)`) is every rank in turn."""
+    if isinstance(value, ast.Constant):
+        return type(value.value) is int
+    if isinstance(value, ast.UnaryOp):
+        return constant_for_rank(value.operand)
+    return isinstance(value, ast.BinOp) and constant_for_rank(value.left)
 
 
 class _Source:
@@ -100,7 +103,7 @@ class _Source:
         while slots and len(seen) < _LIMIT:
             slot = slots.popleft()
             for at, value, scope in self._bindings(slot):
-                if holds_rank(slot[2]) and not may_hold_rank(value):
+                if holds_rank(slot[2]) and constant_for_rank(value):
                     return self._lost_at(at, slot[2], value)
                 lost = self._given_no_rank(value)
                 if lost is not None:
@@ -171,7 +174,7 @@ class _Source:
             for function in self.functions:
                 if self._calls(call, function):
                     for name, argument in self._passed(call, function).items():
-                        if holds_rank(name) and not may_hold_rank(argument):
+                        if holds_rank(name) and constant_for_rank(argument):
                             return self._lost_at(argument.lineno, name, argument)
         return None
 

@@ -1,7 +1,7 @@
 """rank_flow: from an op's line back to the line that gave a name holding a rank a value that is
 none (the line to fix), through assignments, `self.x`, the calls that pass parameters and the
-calls whose results the values are; none in a program that passes the rank along, or takes it from
-a call, a field or an element."""
+calls whose results the values are; none in a program that passes the rank along, or a name, a call, a field
+or an element that may be one, or loops over ranks."""
 
 from __future__ import annotations
 
@@ -73,6 +73,23 @@ FINE = {
     "a rank from a call": PROGRAMS["an attribute set to 0"].replace("self.rank = 0", "self.rank = dist.get_rank()"),
     "a rank from a field": PROGRAMS["a remainder of no rank"].replace("0 % tp", "state['coords'].tp"),
     "a helper called with the rank": PROGRAMS["a helper called with 0, its result used"].replace("(0,", "(rank,"),
+    "a neighbour's rank, by name": PROGRAMS["a constructor given 0"].replace(
+        "return Shard(0, world_size)", "peer = (rank + 1) % world_size\n            return Shard(peer, world_size)"),
+    "a loop over ranks": """
+        def cut(x, rank, world_size):
+            return x[rank::world_size]  # USE
+
+        def every_shard(x):
+            return [cut(x, rank, 2) for rank in (0, 1)]
+    """,
+    "a root's rank": """
+        class Broadcast:
+            def __init__(self):
+                self.root_rank = 0
+
+            def forward(self, x):
+                return x[self.root_rank]  # USE
+    """,
     "a count of ranks": """
         def cut(x, world_size):
             n_rank = 2
