@@ -195,3 +195,8 @@ def dst_ones_ahead(groups: list[tuple[list[int], list[int]]]) -> list[int]:
         count = count + 1 if not gi else 0 if gj else count
         ahead[g] = count
     return ahead
+
+
+def cut_to_one_index(box: tuple[tuple[int, int], ...], shape: tuple[int, ...]) -> list[int]:
+    """The dims of `shape` that `box` cuts from more than one index to one."""
+    return [d for d, (lo, hi) in enumerate(box) if hi - lo == 1 and shape[d] > 1]

@@ -538,3 +538,75 @@ def test_a_products_batch_regrouped_with_ones_added_is_the_regrouped_product(sha
     b.check(y)
     per_head = b.op("matmul", b.view(x, (2, 3, 4, 3)), b.view(w, (2, 3, 3, 5)))
     assert b.op_of(y) == "bcast" and b.u[y.term].args[0] == per_head.term
+
+
+@SETTINGS
+@given(st.integers(2, 4), st.integers(2, 3), st.data())
+def test_one_block_moved_behind_and_kept_one_row_deep_is_that_block_broadcast(blocks, rows, data):
+    """S(blocks*rows) viewed (blocks, rows), transposed and cut to block k, the unit dim kept (a
+    gradient column of one peer's tokens): S[k*rows:(k+1)*rows] as a column, the form the
+    reference's slice of its own column takes."""
+    b = Build()
+    s = b.leaf("s", (blocks * rows,))
+    k = data.draw(st.integers(0, blocks - 1))
+    column = b.sl(b.permute(b.view(s, (blocks, rows)), (1, 0)), 1, k, k + 1)
+    b.check(column)
+    assert column.term == b.view(b.sl(s, 0, k * rows, (k + 1) * rows), (rows, 1)).term
+
+
+def test_a_row_of_a_dim_the_permute_keeps_ahead_stays_a_slice():
+    """The block index left ahead of its factors (no other factor moved before it) is a region of
+    the permute, as the region laws read it."""
+    b = Build()
+    s = b.leaf("s", (3, 4, 2))
+    kept = b.sl(b.permute(b.view(s, (3, 8)), (0, 1)), 0, 1, 2)
+    row = b.sl(b.permute(s, (0, 2, 1)), 0, 1, 2)
+    for x in (kept, row):
+        b.check(x)
+        assert b.op_of(x) == "slice"
+
+
+@SETTINGS
+@given(st.integers(2, 5), st.integers(2, 4), st.integers(0, 1))
+def test_a_view_dropping_ones_every_part_broadcasts_is_the_cat_of_the_parts_viewed(rows, parts, where):
+    """Columns, each a (rows,) vector broadcast to (rows, 1, 1) and scaled, joined along dim 2 and
+    viewed (rows, parts): the cat of the scaled columns, each scale inside its part."""
+    b = Build()
+    shape = (rows, 1, 1) if where else (1, rows, 1)
+    columns = [b.op("mul", b.view(b.leaf(f"s{i}", (rows,)), shape), b.scalar(1 / (i + 2), ())) for i in range(parts)]
+    whole = b.view(b.cat(columns, 2), (rows, parts))
+    b.check(whole)
+    assert whole.term == b.cat([b.view(c, (rows, 1)) for c in columns], 1).term
+
+
+def test_a_view_dropping_a_parts_own_size_one_dim_is_no_cat_of_views():
+    """A part whose size-1 dim is its own (a row sliced out, not broadcast): the view is not
+    distributed over the parts."""
+    b = Build()
+    own = b.sl(b.leaf("x", (3, 2, 1)), 1, 0, 1)
+    whole = b.view(b.cat([own, b.view(b.leaf("y", (3,)), (3, 1, 1))], 2), (3, 2))
+    b.check(whole)
+    assert b.op_of(whole) != "cat"
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_gate_gradient_columns_an_all_to_all_returns_are_the_rows_of_the_references(ranks):
+    """Expert parallelism's dispatched gates: each rank's gate-gradient columns over every peer's
+    tokens, (peers * tokens, local experts), viewed (peers, tokens, local) and cut to piece 0 for
+    rank 0, joined in peer order, transposed and flattened to (tokens, experts): rows 0:tokens of
+    the reference's columns, scales and all."""
+    b = Build()
+    tokens, local = 3, 2
+    experts = ranks * local
+    sums = [b.leaf(f"s{e}", (ranks * tokens,)) for e in range(experts)]
+
+    def column(s):
+        return b.op("mul", b.view(s, (ranks * tokens, 1)), b.scalar(1 / 8, ()))
+
+    reference = b.cat([column(s) for s in sums], 1)
+    b.r.reference_size = len(b.u)
+    grads = [b.cat([column(sums[p * local + e]) for e in range(local)], 1) for p in range(ranks)]
+    received = b.cat([b.sl(b.view(g, (ranks, tokens, local)), 0, 0, 1) for g in grads], 0)
+    mine = b.view(b.permute(received, (1, 0, 2)), (tokens, experts))
+    b.check(mine)
+    assert mine.term == b.sl(reference, 0, 0, tokens).term

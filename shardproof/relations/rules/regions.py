@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from shardproof.ir.ops import OPS
-from shardproof.relations.layout import Box, box_shape, compose, full_box, source_box
+from shardproof.relations.layout import Box, box_shape, compose, cut_to_one_index, full_box, source_box
 from shardproof.relations.rules import aranges, masked_keys
 from shardproof.relations.rules.values import PARTS
 
@@ -52,9 +52,26 @@ class RegionRules:
             moved = self._slice_view_of_cat(x, box)
             if moved is not None:
                 return moved
+        if term.op == "permute":
+            moved = self._sliced_block(x, box)
+            if moved is not None:
+                return moved
         if self.reference_size is None:
             self.reference_boxes.setdefault(x, set()).add(box)
         return self.literal("slice", (x,), (box,), shape, term.dtype)
+
+    def _sliced_block(self, x: int, box: Box) -> int | None:
+        """permute(Y, p)[box] cutting dims to one index, each the block index of a split Y makes and
+        moved behind another factor of it (`_block_moved_behind`): those one-index dims dropped, it
+        is the block with its factors reordered (`_view_sliced_permute`), the dims put back by a
+        broadcast. So a rank's block of rows, kept one row deep (its column of a gradient that an
+        all_to_all returned), is the reference's range of rows as the reference holds a column."""
+        sliced = self.literal("slice", (x,), (box,), box_shape(box), self.u[x].dtype)
+        if not self._block_moved_behind(sliced):
+            return None
+        cut = cut_to_one_index(box, self.shape(x))
+        dropped = self.view(sliced, tuple(n for d, n in enumerate(box_shape(box)) if d not in cut))
+        return self.view(dropped, box_shape(box)) if self.op(dropped) != "view" else None
 
     def _slice_view_of_cat(self, x: int, box: Box) -> int | None:
         """view(cat(parts))[box], where one of the two is flat, and the box reads a box of one part:

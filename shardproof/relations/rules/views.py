@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
-from shardproof.relations.layout import Box, box_shape, dst_ones_ahead, full_box, reshape_groups, view_of_box
+from shardproof.relations.layout import Box, box_shape, cut_to_one_index, dst_ones_ahead, full_box, reshape_groups, view_of_box
 from shardproof.relations.rules.values import PARTS
 
 
@@ -27,6 +27,9 @@ class ViewRules:
         if term.op == "full":
             return self.literal("full", (), term.attrs, shape, term.dtype)
         if term.op == "cat":
+            unbroadcast = self._cat_without_broadcast_ones(x, shape)
+            if unbroadcast is not None:
+                return unbroadcast
             factored = self._cat_factored(x)
             if factored is not None:
                 return self.scale(self.view(factored[0], shape), factored[1])
@@ -111,6 +114,27 @@ class ViewRules:
         if c == 1:
             return None
         return self.cat([self.scale(p, 1 / c) for p in term.args], term.attrs[0]), c
+
+    def _cat_without_broadcast_ones(self, x: int, shape: tuple[int, ...]) -> int | None:
+        """view(cat(parts)) that only drops size-1 dims every part merely broadcasts into (not the
+        cat dim): the cat of the parts viewed without them. Such a dim holds no layout of any part, so
+        a cat of columns kept one row deep (a rank's gate gradients an all_to_all returned per
+        peer) meets the reference's cat of those columns, each part's scale staying inside it."""
+        term = self.u[x]
+        dim = term.attrs[0]
+        kept = _inserted_ones(shape, term.shape)
+        dropped = set(range(len(term.shape))) - set(kept or ())
+        if not kept or dim in dropped or not all(self._broadcast_along(p, dropped) for p in term.args):
+            return None
+        parts = [self.view(p, tuple(self.shape(p)[d] for d in kept)) for p in term.args]
+        return self.cat(parts, kept.index(dim))
+
+    def _broadcast_along(self, t: int, dims: set[int]) -> bool:
+        """`t` is a broadcast along `dims` (a constant, or sums of such broadcasts)."""
+        term = self.u[t]
+        if term.op in ("lin", "piece"):
+            return all(self._broadcast_along(a, dims) for a in term.args)
+        return term.op == "full" or (term.op == "bcast" and not dims & set(term.attrs[0]))
 
     def _view_cat(self, x: int, shape: tuple[int, ...]) -> int | None:
         """A reshape that merges the cat dim of one-row-deep parts with the next dim reshapes
@@ -319,7 +343,7 @@ class ViewRules:
         if self.op(permuted.args[0]) != "view":  # blocks of a dim the program split, not dims of their own
             return None
         perm, box = permuted.attrs[0], term.attrs[0]
-        cut = _cut_to_one_index(box, permuted.shape)
+        cut = cut_to_one_index(box, permuted.shape)
         if not cut or shape != tuple(n for d, n in enumerate(term.shape) if d not in cut):
             return None
         inner_box: list[tuple[int, int]] = [(0, 0)] * len(perm)
@@ -348,7 +372,7 @@ class ViewRules:
         perm, box = permuted.attrs[0], self.u[x].attrs[0]
         groups = reshape_groups(self.shape(self.u[y].args[0]), self.shape(y)) or []
         splits = {gj[0]: gj[1:] for gi, gj in groups if len(gi) == 1 and len(gj) > 1}
-        cut = [perm[d] for d in _cut_to_one_index(box, permuted.shape)]
+        cut = [perm[d] for d in cut_to_one_index(box, permuted.shape)]
         where = {p: d for d, p in enumerate(perm)}
         return bool(cut) and all(c in splits and any(where[f] < where[c] for f in splits[c]) for c in cut)
 
@@ -476,11 +500,6 @@ def _reshaped_from(term) -> int | None:
 def _regroups(src: tuple[int, ...], dst: tuple[int, ...]) -> bool:
     """The reshape merges or splits dims, beyond adding or dropping size-1 ones."""
     return [n for n in src if n != 1] != [n for n in dst if n != 1]
-
-
-def _cut_to_one_index(box: tuple[tuple[int, int], ...], shape: tuple[int, ...]) -> list[int]:
-    """The dims of `shape` that `box` cuts from more than one index to one."""
-    return [d for d, (lo, hi) in enumerate(box) if hi - lo == 1 and shape[d] > 1]
 
 
 def _inserted_ones(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[int, ...] | None:
