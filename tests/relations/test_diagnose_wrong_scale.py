@@ -129,3 +129,54 @@ def test_a_wrong_share_scale_is_reported_without_the_coefficients_float_constant
     assert report.distributed[0].op == "div in the backward"
     assert report.fix.startswith("scale by 1/2 instead of 1/8 at line")
     assert "576460752303423488" not in report.diagnosis + report.fix
+
+
+# --- a rank's rows of a gradient, scaled by a mean over its own columns -----------------------------
+class Columns(nn.Module):
+    """A column-parallel projection: each rank its rows of the weight, its columns of the output."""
+
+    def __init__(self, out: int = VOCAB):
+        super().__init__()
+        self.proj = nn.Linear(HIDDEN, out, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+def _mean_absolute(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return out.abs().mean()
+
+
+def _column_step(whole_count: bool):
+    def step(model: nn.Module, inputs: tuple, rank: int, world_size: int) -> torch.Tensor:
+        local = model(*inputs).abs()
+        if whole_count:
+            share = local.sum() / (local.numel() * world_size)
+        else:
+            share = local.sum() / local.numel()  # BUG: the mean over this rank's columns, not all of them
+        share.backward()
+        total = share.detach().clone()
+        dist.all_reduce(total)
+        return total
+    return step
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_ranks_rows_of_a_gradient_with_the_wrong_coefficient_are_a_wrong_scale(world_size: int) -> None:
+    """Each rank's weight gradient is its rows of the reference's, scaled by a mean over its own
+    columns: the coefficient of a region of a reference term, compared with the reference's on
+    the whole, is a wrong scale, set where the share is divided."""
+    def case(whole_count: bool) -> Case:
+        return Case(Columns, lambda r, n: Columns(VOCAB // n), lambda: (torch.randn(TOKENS, HIDDEN),), world_size,
+                    shard_state=lambda state, r, n: {"proj.weight": state["proj.weight"].chunk(n, 0)[r]},
+                    output=("shard", -1), loss=_mean_absolute, distributed_step=_column_step(whole_count), mode="train")
+
+    buggy = case(False)
+    assert not run_numeric(buggy, world_size, mode="train").agree
+    report = verify(buggy, world_size=world_size)
+    assert report.verdict == "discrepancy" and report.kind == "wrong scale", report.diagnosis
+    assert f"x{world_size}" in report.diagnosis
+    first = report.distributed[0]
+    assert Path(first.file).name == Path(__file__).name and "# BUG" in first.code, report.distributed
+    fixed = case(True)
+    assert verify(fixed, world_size=world_size).verdict == "equivalent" and run_numeric(fixed, world_size, mode="train").agree

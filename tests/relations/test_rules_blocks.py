@@ -74,3 +74,28 @@ def test_a_scatter_cut_along_its_own_dim_is_no_block():
     out = b.op("scatter", b.scalar(0.0, (3, 4)), b.sl(index, 1, 0, 2), b.sl(values, 1, 0, 2), attrs=(1,))
     b.check(out)
     assert b.op_of(out) != "slice"
+
+
+@SETTINGS
+@given(st.integers(2, 6), st.integers(3, 6), st.sampled_from([2, 3, 1 / 4]), st.data())
+def test_a_scaled_write_into_zeros_is_the_write_scaled(rows, experts, factor, data):
+    """top-k's backward, zeros scattered with a rank's gradient of its own mean (a scale the
+    average over ranks undoes later): c * the scatter of the unscaled values, so a rank's rows
+    still meet the rows of the reference's scatter."""
+    b = Build()
+    scores = b.leaf("scores", (rows, experts))
+    lo, hi = data.draw(ranges(rows))
+    k = data.draw(st.integers(1, experts))
+    grad = b.leaf("grad", (rows, k))  # of the top k values
+
+    def backward(x, g):
+        zeros = b.scalar(0.0, x.shape)
+        return b.op("scatter", zeros, top(b, x, k, (1,)), g, attrs=(1,))
+
+    whole = backward(scores, grad)
+    b.r.reference_size = len(b.u)
+    mine = backward(b.sl(scores, 0, lo, hi), b.op("mul", b.sl(grad, 0, lo, hi), b.scalar(factor, ())))
+    b.check(mine)
+    assert b.op_of(mine) == "lin"
+    if (lo, hi) != (0, rows):
+        assert b.u[mine.term].args[0] == b.sl(whole, 0, lo, hi).term

@@ -19,16 +19,30 @@ class ScaleFaults:
     """Coefficients that differ from the reference's, and where they were set."""
 
     def _miscounted(self, parts: list[tuple[int, Fraction]]) -> tuple[int, Fraction, Fraction] | None:
-        """A reference sum with the same terms but other coefficients: (term, have, want)."""
-        same = self._ref_lins.get(frozenset(a for a, _ in parts))
+        """A reference sum with the same terms but other coefficients: (term, have, want). A rank's
+        region of a term of such a sum (its rows of an expert's weight gradient, which the reference
+        scales) counts as that term: its coefficient is compared with the whole's. A region of a
+        term the reference holds unscaled is not taken for it: shares inside a program are often
+        scaled regions of reference terms (a call's output divided by the ranks' count)."""
+        wholes = [self._reference_whole(a) for a, _ in parts]
+        if len(set(wholes)) < len(wholes):  # two regions of one whole: no term-by-term comparison
+            wholes = [a for a, _ in parts]
+        same = self._ref_lins.get(frozenset(wholes))
         if same is not None:
             want = dict(zip(self.r.u[same].args, self.r.u[same].attrs[0]))
-            wrong = [(a, c, want[a]) for a, c in parts if want[a] != c]
+            wrong = [(a, c, want[whole]) for (a, c), whole in zip(parts, wholes) if want[whole] != c]
             if wrong:  # the plainest coefficient speaks for them all: a float's rounding leaves 2^-59s
                 return min(wrong, key=lambda found: found[2].denominator)
         if len(parts) == 1 and self.r.in_reference(parts[0][0]) and parts[0][1] != 1:
             return parts[0][0], parts[0][1], Fraction(1)
         return None
+
+    def _reference_whole(self, t: int) -> int:
+        """`t`, or the reference term `t` is a region of."""
+        if self.r.in_reference(t):
+            return t
+        root, _ = self.r.as_region(t)
+        return root if self.r.in_reference(root) else t
 
     def _held_whole(self, rank: int, node: Node, extra: int) -> bool:
         """Every rank's operand of the sum `node` holds the reference term `extra` itself (a bias

@@ -25,6 +25,11 @@ def scatter(r: Rules, op: str, args, attrs, shape, dtype) -> int:
     one-hot of the ids in its range [lo, hi) is the [lo, hi) slice of the one-hot over the axis."""
     base, index, src = args
     (dim,) = attrs
+    values = r.u[src]
+    if values.op == "lin" and len(values.args) == 1 and dtype in FLOAT_DTYPES and r.full_value(base) == 0:
+        # into zeros, a write is linear in its values, whichever entries it writes: the scale moves
+        # outside (a rank's gradient of its own mean, rescaled by an average over ranks later)
+        return r.scale(r.build(op, (base, index, values.args[0]), attrs, shape, dtype), values.attrs[0][0])
     rows = of_blocks(r, args, shape, lambda wholes, blocks, cut, whole_shape: r.build(op, wholes, attrs, whole_shape, dtype)
                      if len(blocks) == 3 and cut != dim else None)  # each line across `dim` written from its own
     if rows is not None:
@@ -41,7 +46,7 @@ def scatter(r: Rules, op: str, args, attrs, shape, dtype) -> int:
         return r.lin([(base, Fraction(1)), (one_hot, Fraction(1))])
     if r.full_value(src) == 0:
         return zeros
-    values, constant = r.u[src], r.full_value(src)
+    constant = r.full_value(src)
     if values.op == "lin" and len(values.args) == 1:  # linear in the values: scale outside
         return r.scale(r.build("scatter_add", (zeros, index, values.args[0]), attrs, shape, dtype), values.attrs[0][0])
     if is_finite_number(constant) and constant != 1 and dtype in FLOAT_DTYPES:
