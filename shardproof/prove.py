@@ -125,7 +125,7 @@ def _judged(
             # tokens) is reduced, if at all, by the program after the call: no fault at the call's boundary
             unproven = [(r, i) for r, i in unproven if not unreduced(run.rules, run.ranks[r][by_rank[r].outputs[i]])]
         if unproven:
-            diagnoser = diagnoser or Diagnoser(run, reference, ranks)
+            diagnoser = diagnoser or Diagnoser(run, reference, ranks, claims)
             finding = diagnoser.diagnose(unproven, _expected_terms(run, ranks, check, unproven))
             if finding.verdict == "unknown" and claims:
                 finding = _misshapen(diagnoser, reference, ranks, check, unproven) or finding

@@ -31,11 +31,14 @@ from shardproof.report.terms import describe, line_of, placement, value_name
 
 class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOperands, OverlappingShards, MaskedLookups,
                 LayoutFaults, RankChunks, TopCandidates, MergeWeights):
-    def __init__(self, run: Execution, reference: Graph, ranks: list[Graph]):
+    def __init__(self, run: Execution, reference: Graph, ranks: list[Graph], claims: bool = True):
+        """`claims`: the outputs diagnosed are the case's claims, not a call's outputs compared as
+        if whole, which a rank may rightly hold as a scaled share (a region of a reference term)."""
         self.run = run
         self.r: Rules = run.rules
         self.reference = reference
         self.ranks = ranks
+        self.claims = claims
         self._grounded: dict[int, bool] = {}
         self._ref_lins: dict[frozenset, int] = {}
         for t in run.reference:

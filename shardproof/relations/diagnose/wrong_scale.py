@@ -23,8 +23,9 @@ class ScaleFaults:
         region of a term of such a sum (its rows of an expert's weight gradient, which the reference
         scales) counts as that term: its coefficient is compared with the whole's. A region of a
         term the reference holds unscaled is not taken for it: shares inside a program are often
-        scaled regions of reference terms (a call's output divided by the ranks' count)."""
-        wholes = [self._reference_whole(a) for a, _ in parts]
+        scaled regions of reference terms (a call's output divided by the ranks' count), and a
+        call's outputs are not compared so at all."""
+        wholes = [self._reference_whole(a) if self.claims else a for a, _ in parts]
         if len(set(wholes)) < len(wholes):  # two regions of one whole: no term-by-term comparison
             wholes = [a for a, _ in parts]
         same = self._ref_lins.get(frozenset(wholes))
