@@ -6,7 +6,9 @@ from __future__ import annotations
 _READS_A_VALUE = (
     "the model reads a tensor's value here (`.item()`, `if tensor ...:`, `bool()`, `.tolist()`), but shardproof "
     "traces shapes, not values, so a value cannot steer the program. Keep it a tensor (e.g. `torch.where(cond, a, b)` "
-    "for an `if`, a tensor instead of `.item()`), or compute it from Python numbers and shapes"
+    "for an `if`, a tensor instead of `.item()`), or compute it from Python numbers and shapes. Split sizes of an "
+    "expert-parallel dispatch read off the routing are not traced yet: send fixed-size buffers with the gates as "
+    "data (zero where a token is not routed), as `examples/moe_ep.py` does, proven for every routing"
 )
 _SHAPE_FROM_VALUES = (
     "the size of a tensor made here depends on tensor values (`nonzero`, a boolean mask as an index, `unique`); "
