@@ -59,10 +59,12 @@ _PLAIN = (torch.Tensor, FakeTensor, torch.nn.Parameter)
 
 class Recorder(TorchDispatchMode):
     def __init__(
-        self, graph: fx.Graph, root: torch.nn.Module, entry: FrameType | None, decompositions: Decompositions
+        self, graph: fx.Graph, root: torch.nn.Module, entry: FrameType | None, decompositions: Decompositions,
+        on_meta: bool = False,
     ) -> None:
         super().__init__()
         self.decompositions = decompositions
+        self.on_meta = on_meta  # the traced values are meta tensors: no op may turn them into real ones
         self.graph = graph
         self.root = root
         self.entry = entry  # frames from here outwards are not the traced code's (None: all are)
@@ -123,6 +125,8 @@ class Recorder(TorchDispatchMode):
         node = self.graph.call_function(func, self.nodes_in(args), self.nodes_in(kwargs))
         self.created.append(node)
         out = func(*args, **_kept_on_meta(func, args, kwargs))
+        if self.on_meta:
+            _refuse_real_from_meta(func, args, out)
         node.meta["val"] = out
         where = self.where()
         if where:
@@ -169,6 +173,18 @@ def _kept_on_meta(func: Any, args: tuple, kwargs: dict) -> dict:
 
 
 _TO_COPY = torch.ops.aten._to_copy.default
+
+
+def _refuse_real_from_meta(func: Any, args: tuple, out: Any) -> None:
+    """A real tensor computed from meta ones (a cpu `torch.zeros(n)` made in the traced code, then
+    `scatter_add` of meta values into it) holds uninitialised memory, and reading it (`.tolist()`)
+    would steer the trace by garbage: the run is retried on fake tensors, where reading a value
+    computed from the data stops the trace at its line."""
+    first = out[0] if isinstance(out, (tuple, list)) and out else out
+    if not isinstance(first, torch.Tensor) or first.device.type == "meta":
+        return
+    if any(isinstance(a, torch.Tensor) and a.device.type == "meta" for a in tree_flatten(args)[0]):
+        raise RuntimeError(f"{func} computed a real tensor from meta tensors")
 
 
 @functools.lru_cache(maxsize=None)
@@ -219,7 +235,7 @@ def record(
     try:
         with unset_fake_temporarily():
             twins = _twins(inputs, "meta")
-            gm, outputs = _record(fn, twins, decompositions or {}, part)
+            gm, outputs = _record(fn, twins, decompositions or {}, part, on_meta=True)
         device = inputs[0].device if inputs else "cpu"
         return gm, _twins(outputs, device)
     except (ShardproofError, NotPlain):
@@ -244,10 +260,11 @@ def _twin(tensor: torch.Tensor, device: str | torch.device) -> torch.Tensor:
 
 
 def _record(
-    fn: Callable[..., list[torch.Tensor]], inputs: list[torch.Tensor], decompositions: Decompositions, part: bool
+    fn: Callable[..., list[torch.Tensor]], inputs: list[torch.Tensor], decompositions: Decompositions, part: bool,
+    on_meta: bool = False,
 ) -> tuple[Traced, list[torch.Tensor]]:
     graph, root = fx.Graph(), torch.nn.Module()
-    recorder = Recorder(graph, root, None if part else sys._getframe(), decompositions)
+    recorder = Recorder(graph, root, None if part else sys._getframe(), decompositions, on_meta)
     for i, tensor in enumerate(inputs):
         placeholder = graph.placeholder(f"arg{i}")
         placeholder.meta["val"] = tensor

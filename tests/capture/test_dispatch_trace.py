@@ -13,6 +13,7 @@ from shardproof.capture.torch_capture import capture
 from shardproof import verify
 from shardproof.capture.dispatch_trace import record
 from shardproof.case import Case, load_case
+from shardproof.errors import CaptureError
 from shardproof.oracle import run_numeric
 from shardproof.ir.graph import Graph
 
@@ -123,3 +124,37 @@ def test_a_tensor_returned_twice_stays_one_tensor() -> None:
     weight = torch.randn(4, 3)
     _, outputs = record(lambda w: [w * 2] * 2, [weight])
     assert outputs[0] is outputs[1]
+
+
+def test_a_value_computed_from_the_data_is_never_read_from_uninitialised_memory() -> None:
+    """A cpu `torch.zeros` made in the traced code, with meta values scattered into it, comes out
+    a real tensor of uninitialised memory: its `.tolist()` must stop the trace (rerun on fake
+    tensors), not steer it by garbage (a routing's split sizes, say)."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+
+    def counts(ids: torch.Tensor) -> list[torch.Tensor]:
+        per_expert = torch.zeros(4, dtype=torch.long).scatter_add(0, ids, torch.ones_like(ids))
+        return [ids[: per_expert[0].item()]]
+
+    with FakeTensorMode(), pytest.raises(DataDependentOutputException):
+        record(counts, [torch.empty(8, dtype=torch.long)])
+
+
+class _CountBranch(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        index = (x[:1] > 0).long() * 0
+        count = torch.zeros(1, dtype=torch.long).scatter_add(0, index, torch.ones_like(index))
+        return x if count.item() == 1 else -x  # count is 1: x
+
+
+class _Negated(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return -x
+
+
+def test_a_branch_on_a_value_computed_from_the_data_is_not_proven() -> None:
+    """Steered by uninitialised memory, the trace took the other branch and proved it equal to -x."""
+    case = Case(_Negated, lambda rank, n: _CountBranch(), lambda: (torch.randn(4),))
+    assert not run_numeric(case, 1).agree
+    with pytest.raises(CaptureError, match=r"DataDependentOutputException"):
+        verify(case, world_size=1)
