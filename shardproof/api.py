@@ -68,10 +68,22 @@ def verify(
     def front_end() -> Iterator[Candidate]:
         captured = capture(case, n, progress, mode, memo, placement(backend, case, n, memo, ray_address))
         numbers = functools.partial(run_numeric, case, n, mode=mode)
-        yield Candidate(captured, n, numbers, _state_elements(captured.reference), caveat=_indivisible(captured, n))
+        yield Candidate(captured, n, numbers, _state_elements(captured.reference), caveat=_indivisible(captured, n),
+                        entries=_entries(case))
 
     with case.importable():
         return verify_candidates(front_end, n, progress)
+
+
+def _entries(case: Case) -> frozenset[tuple[str, int]]:
+    """Where the distributed side's own functions start (file, first line; a class's `__init__`):
+    the report follows a rank back only through the calls they make."""
+    found = set()
+    for function in (case.distributed, case.shard_state, case.shard_input, case.distributed_step):
+        code = getattr(function.__init__ if isinstance(function, type) else function, "__code__", None)
+        if code is not None:
+            found.add((code.co_filename, code.co_firstlineno))
+    return frozenset(found)
 
 
 def _state_elements(reference: Graph) -> int:

@@ -21,7 +21,7 @@ from shardproof.partition.structure import structural
 from shardproof.programs import Captured, NumericResult
 from shardproof.prove import Proof, prove
 from shardproof.report.model import Report, Site
-from shardproof.report.rank_flow import rank_lost
+from shardproof.report.rank_flow import rank_choice
 
 
 @dataclass
@@ -36,6 +36,7 @@ class Candidate:
     inputs: list[str] = field(default_factory=list)  # the input relations this reading assumes
     outputs_compared: str | None = None  # "3 of 5" when only some outputs are claims
     caveat: str = ""  # what the proof could not see, added to a diagnosis
+    entries: frozenset[tuple[str, int]] = frozenset()  # where the distributed side's functions start (rank_flow)
 
 
 def verify_candidates(
@@ -106,7 +107,7 @@ def _report(proof: Proof, candidate: Candidate, seconds: float) -> Report:
         report.kind, report.claim, report.fix, report.regions = finding.kind, finding.claim, finding.fix, finding.regions
         report.diagnosis = finding.message + (f"; note: {candidate.caveat}" if candidate.caveat else "")
         located = _located_first(_unique([s for rank, node in finding.distributed for s in _sites(node, rank)]))
-        report.distributed = _rank_lost_first(located)
+        report.distributed = _rank_choice_first(located, candidate.entries)
         report.reference = _located_first(_unique([_site(node, None) for node in finding.reference]))
         if finding.verdict == "unknown":
             report.unknown = {"op": finding.op or "", "reason": report.diagnosis}
@@ -123,19 +124,20 @@ def _sites(node: Node, rank: int) -> list[Site]:
     return [Site(chosen.file, chosen.line, chosen.code, f"rank for {own.op}", rank, node.name), own]
 
 
-def _rank_lost_first(sites: list[Site]) -> list[Site]:
-    """The sites, after the line that gave a name holding a rank a value that is none, found from
-    the first of them that leads to one (a constant leaves no trace in the symbolic rank:
-    rank_flow reads the source); unless the first site already names the line that chose a rank."""
+def _rank_choice_first(sites: list[Site], entries: frozenset[tuple[str, int]]) -> list[Site]:
+    """The sites, after the line that gave a name holding a rank a number or a regrouped rank,
+    found from the first of them that leads to one (a constant, or a rank pinned to an int, leaves
+    no trace in the symbolic rank: rank_flow reads the source); unless the first site already
+    names the line that chose a rank."""
     if not sites or sites[0].op.startswith("rank for "):
         return sites
     for site in sites:
-        lost = rank_lost(site.file, site.line)
-        if lost is not None and (site.file, lost.line) == (sites[0].file, sites[0].line):
+        choice = rank_choice(site.file, site.line, entries)
+        if choice is not None and (site.file, choice.line) == (sites[0].file, sites[0].line):
             return sites
-        if lost is not None:
-            named = Site(site.file, lost.line, lost.code, f"`{lost.name}` = `{lost.value}`, not the rank, for {site.op}",
-                         site.rank, site.node)
+        if choice is not None:
+            named = Site(site.file, choice.line, choice.code,
+                         f"`{choice.name}` = `{choice.value}`, {choice.what}, for {site.op}", site.rank, site.node)
             return _unique([named, *sites])
     return sites
 

@@ -1,6 +1,7 @@
 """The driver's sites: a rank chosen wrongly (a neighbour's, taken as a remainder of the rank) is
-named first at the line that chose it, before the op whose offset it makes; a rank lost (a
-constant passed for it) at the line that passes the constant. The buggy programs disagree
+named first at the line that chose it, before the op whose offset it makes, also when a list
+index pinned it to an int; a rank lost (a constant passed for it) at the line that passes the
+constant. The buggy programs disagree
 numerically and are found there; the fixed twin is proven and agrees."""
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ VOCAB, HIDDEN, TOKENS = 16, 4, 6
 class VocabParallelEmbedding(nn.Module):
     """This rank's rows of the table; ids outside them are looked up as row 0 and zeroed."""
 
-    def __init__(self, rank: int, world_size: int):
+    def __init__(self, rank: int, world_size: int, tabled: bool = False):
         super().__init__()
         rows = VOCAB // world_size
-        self.start, self.stop = rank * rows, (rank + 1) * rows
+        table = [(r * rows, (r + 1) * rows) for r in range(world_size)]  # every rank's rows
+        # tabled: a list index pins the rank to an int, so its bounds keep no trace of the rank
+        self.start, self.stop = table[rank] if tabled else (rank * rows, (rank + 1) * rows)
         self.weight = nn.Parameter(torch.empty(rows, HIDDEN))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -45,6 +48,10 @@ def constant(rank: int, world_size: int) -> nn.Module:
     return VocabParallelEmbedding(0, world_size)  # BUG: rank 0's rows at every rank
 
 
+def pinned_neighbour(rank: int, world_size: int) -> nn.Module:
+    return VocabParallelEmbedding((rank + 1) % world_size, world_size, tabled=True)  # BUG: a neighbour's rows
+
+
 def own(rank: int, world_size: int) -> nn.Module:
     return VocabParallelEmbedding(rank, world_size)
 
@@ -60,7 +67,7 @@ def case(distributed, world_size: int) -> Case:
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("wrong", [neighbour, constant])
+@pytest.mark.parametrize("wrong", [neighbour, constant, pinned_neighbour])
 def test_a_rank_chosen_wrongly_is_named_at_the_line_that_chose_it(wrong, world_size: int) -> None:
     buggy = case(wrong, world_size)
     assert not run_numeric(buggy, world_size).agree

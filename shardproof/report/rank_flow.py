@@ -1,14 +1,16 @@
-"""Where a rank went missing: the line that gives a name holding a rank a value that is no rank.
+"""Where a rank is chosen: the line that gives a name holding a rank a number, or the rank regrouped.
 
 A rank's offsets (a slice's bounds, a mask's, a peer's rank) are computed by Python from the rank;
-a fault in them shows where the offset is used, but is fixed where the rank was lost: a call
-passing `0` for a `rank` parameter, `self.rank = 0`, `tp_rank = 0 % tp`. The symbolic rank
-remembers the lines that regroup it (`RankExpr.origin`), but a constant leaves no trace in it, so
-this reads the source (`ast`, the op's file): from the names the op's line uses back through their
-assignments in the function, `self.x` through its assignments in the class, parameters through
-the calls that pass them, and into the calls of this file whose results they are (a helper called
-with `0` for its `rank`), to the nearest binding of a rank's name (`rank`, `tp_rank`; not
-`per_rank`, a count; not `root_rank`) to a number (`0`, `0 % tp`: see `constant_for_rank`).
+a fault in them shows where the offset is used, but is fixed where the rank was chosen: a call
+passing `0` for a `rank` parameter, `self.rank = 0`, `tp_rank = 0 % tp`, a neighbour's rank
+`(rank + 1) % world_size` passed as the own one. The symbolic rank remembers the lines that regroup
+it (`RankExpr.origin`), but a constant leaves no trace in it, nor does a rank pinned to an int
+(`range(rank * n, ...)`, a list index), so this reads the source (`ast`, the op's file): from the
+names the op's line uses back through their assignments in the function, `self.x` through its
+assignments in the class, parameters through the calls that pass them, and into the calls of this
+file whose results they are (a helper called with `0` for its `rank`), to the nearest binding of a
+rank's name (`rank`, `tp_rank`; not `per_rank`, a count; not `root_rank`) to a number (`0`,
+`0 % tp`: see `constant_for_rank`) or a remainder or quotient of a rank.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Iterator, Union
 _RANK_NAME = re.compile(r"(^|_)rank$")
 # a count of ranks (`per_rank`), or a rank that is a constant by design (a root's, a source's)
 _NOT_OWN = re.compile(r"(^|_)(per|num|n|src|dst|root)_rank$")
+NUMBER, REGROUPED = "a number, not the rank", "a remainder or quotient of the rank"
 _LIMIT = 400  # names followed at most: a line's values reach back through a whole model otherwise
 
 Scope = Union[ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda]
@@ -31,30 +34,33 @@ Slot = tuple  # ("var", scope, name) or ("attr", class, name)
 
 
 @dataclass(frozen=True)
-class RankLost:
-    """The line where `name`, which holds a rank, is given `value`, which is none."""
+class RankChoice:
+    """The line where `name`, which holds a rank, is given `value`: `what` it is (no rank, the rank regrouped)."""
 
     line: int
     code: str
     name: str
     value: str
+    what: str
 
 
-def rank_lost(file: str, line: int) -> RankLost | None:
-    """The nearest binding, among those the values of `line` come from, of a rank's name to a value
-    that holds no rank; None when there is none or the file cannot be read."""
+def rank_choice(file: str, line: int, entries: frozenset[tuple[str, int]] = frozenset()) -> RankChoice | None:
+    """The nearest binding, among those the values of `line` come from, of a rank's name to a number
+    or a regrouped rank; None when there is none or the file cannot be read. `entries`: where the
+    distributed side's own functions start (file, first line): of the calls passing a parameter,
+    only those they make count in their file (not the reference's `Model(rank=0, world_size=1)`)."""
     try:
         status = os.stat(file)
         stamp = (status.st_mtime_ns, status.st_size)  # a file edited under `shardproof serve` is read again
     except OSError:
         return None
-    return _lost(file, stamp, line)
+    return _choice(file, stamp, line, frozenset(first for where, first in entries if where == file))
 
 
 @functools.lru_cache(maxsize=1024)
-def _lost(file: str, stamp: tuple[int, int], line: int) -> RankLost | None:
+def _choice(file: str, stamp: tuple[int, int], line: int, entries: frozenset[int]) -> RankChoice | None:
     source = _parsed(file, stamp)
-    return None if source is None else source.lost(line)
+    return None if source is None else source.choice(line, source.reached(entries))
 
 
 @functools.lru_cache(maxsize=32)
@@ -83,6 +89,27 @@ def constant_for_rank(value: ast.AST) -> bool:
     return isinstance(value, ast.BinOp) and constant_for_rank(value.left)
 
 
+def regroups_rank(value: ast.AST) -> bool:
+    """Whether an expression takes a remainder or quotient of a rank (`(rank + 1) % world_size`, a
+    neighbour's; `rank // tp`, a group's), as `RankExpr.origin` marks one."""
+    return any(isinstance(n, ast.BinOp) and isinstance(n.op, (ast.Mod, ast.FloorDiv)) and _names_rank(n.left)
+               for n in ast.walk(value))
+
+
+def _names_rank(value: ast.AST) -> bool:
+    return any(isinstance(n, ast.Name) and holds_rank(n.id) or isinstance(n, ast.Attribute) and holds_rank(n.attr)
+               for n in ast.walk(value))
+
+
+def _chosen(name: str, value: ast.AST) -> str | None:
+    """What a rank's name is given, when it is a choice to report: no rank, or the rank regrouped."""
+    if not holds_rank(name):
+        return None
+    if constant_for_rank(value):
+        return NUMBER
+    return REGROUPED if regroups_rank(value) else None
+
+
 class _Source:
     def __init__(self, text: str, tree: ast.Module):
         self.text, self.tree = text, tree
@@ -95,25 +122,27 @@ class _Source:
         self.functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
 
     # --- the search ---------------------------------------------------------------------------
-    def lost(self, line: int) -> RankLost | None:
+    def choice(self, line: int, reached: set[ast.AST] | None) -> RankChoice | None:
+        """See `rank_choice`; `reached`: the scopes whose calls count (None: all)."""
         read = [n for n in ast.walk(self.tree) if isinstance(n, (ast.Name, ast.Attribute)) and n.lineno == line
                 and isinstance(n.ctx, ast.Load)]
         slots: deque[Slot] = deque(dict.fromkeys(s for s in map(self._slots_used, read) if s is not None))
         seen: set[Slot] = set(slots)
+        regrouped: RankChoice | None = None  # the nearest; a number further back is the likelier fault
         while slots and len(seen) < _LIMIT:
             slot = slots.popleft()
-            for at, value, scope in self._bindings(slot):
-                if holds_rank(slot[2]) and constant_for_rank(value):
-                    return self._lost_at(at, slot[2], value)
-                lost = self._given_no_rank(value)
-                if lost is not None:
-                    return lost
+            for at, value, scope in self._bindings(slot, reached):
+                what = _chosen(slot[2], value)
+                found = self._choice_at(at, slot[2], value, what) if what is not None else self._rank_passed(value)
+                if found is not None and found.what == NUMBER:
+                    return found
+                regrouped = regrouped or found
                 for node in ast.walk(value):
                     used = self._slots_used(node, scope) if isinstance(node, (ast.Name, ast.Attribute)) else None
                     if used is not None and used not in seen:
                         seen.add(used)
                         slots.append(used)
-        return None
+        return regrouped
 
     def _slots_used(self, node: ast.AST, scope: Scope | None = None) -> Slot | None:
         """The slot a loaded name (`x`) or attribute of the method's instance (`self.x`) reads."""
@@ -125,7 +154,7 @@ class _Source:
             return ("attr", owner, node.attr) if owner is not None else None
         return None
 
-    def _bindings(self, slot: Slot) -> Iterator[tuple[int, ast.expr, Scope]]:
+    def _bindings(self, slot: Slot, reached: set[ast.AST] | None) -> Iterator[tuple[int, ast.expr, Scope]]:
         """(line, value, the scope the value's names are read in) of every binding of `slot`."""
         kind, where, name = slot
         if kind == "attr":
@@ -139,7 +168,7 @@ class _Source:
         scope: Scope | None = where
         while scope is not None:
             if name in _parameters(scope):
-                yield from self._arguments(scope, name)
+                yield from self._arguments(scope, name, reached)
                 return
             found = [(t.lineno, v, scope) for t, v in _assignments(scope) if isinstance(t, ast.Name) and t.id == name]
             if found:
@@ -147,11 +176,13 @@ class _Source:
                 return
             scope = None if isinstance(scope, ast.Module) else self._scope(scope)
 
-    def _arguments(self, function: Scope, name: str) -> Iterator[tuple[int, ast.expr, Scope]]:
-        """What the calls of `function` pass for its parameter `name`."""
+    def _arguments(self, function: Scope, name: str, reached: set[ast.AST] | None) -> Iterator[tuple[int, ast.expr, Scope]]:
+        """What the calls of `function` (those in `reached` scopes) pass for its parameter `name`."""
         if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
             return
         for call in self.calls:
+            if reached is not None and self._scope(call) not in reached:
+                continue
             value = self._passed(call, function).get(name) if self._calls(call, function) else None
             if value is not None:
                 yield value.lineno, value, self._scope(call)
@@ -168,18 +199,20 @@ class _Source:
         passed.update((k.arg, k.value) for k in call.keywords if k.arg is not None)
         return passed
 
-    def _given_no_rank(self, value: ast.expr) -> RankLost | None:
-        """A call in `value`, of a function of this file, passing what holds no rank for a parameter named as a rank."""
+    def _rank_passed(self, value: ast.expr) -> RankChoice | None:
+        """A call in `value`, of a function of this file, passing a number or a regrouped rank for a
+        parameter named as a rank."""
         for call in (n for n in ast.walk(value) if isinstance(n, ast.Call)):
             for function in self.functions:
                 if self._calls(call, function):
                     for name, argument in self._passed(call, function).items():
-                        if holds_rank(name) and constant_for_rank(argument):
-                            return self._lost_at(argument.lineno, name, argument)
+                        what = _chosen(name, argument)
+                        if what is not None:
+                            return self._choice_at(argument.lineno, name, argument, what)
         return None
 
-    def _lost_at(self, line: int, name: str, value: ast.expr) -> RankLost:
-        return RankLost(line, self.lines[line - 1].strip(), name, ast.get_source_segment(self.text, value) or "")
+    def _choice_at(self, line: int, name: str, value: ast.expr, what: str) -> RankChoice:
+        return RankChoice(line, self.lines[line - 1].strip(), name, ast.get_source_segment(self.text, value) or "", what)
 
     def _calls(self, call: ast.Call, function: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
         """Whether `call` may call `function` (by its name; a class's by the class's, an autograd
@@ -192,6 +225,28 @@ class _Source:
         if function.name == "forward" and isinstance(func, ast.Attribute) and func.attr == "apply":
             return isinstance(func.value, ast.Name) and func.value.id == owner.name
         return isinstance(func, ast.Attribute) and func.attr == function.name
+
+    def reached(self, entries: frozenset[int]) -> set[ast.AST] | None:
+        """The scopes the functions starting at `entries` run, by the calls of this file they make
+        (a class constructed: all its methods, `forward` through `__call__`); None without entries here."""
+        todo: list[ast.AST] = [n for n in ast.walk(self.tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+                               and _first_line(n) in entries]
+        if not todo:
+            return None
+        reached: set[ast.AST] = set()
+        while todo:
+            scope = todo.pop()
+            if scope in reached:
+                continue
+            inner = [n for n in ast.walk(scope) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))]
+            reached.update(inner)
+            for call in (n for n in ast.walk(scope) if isinstance(n, ast.Call)):
+                for function in self.functions:
+                    if function not in reached and self._calls(call, function):
+                        owner = self._class(function)
+                        todo += [function] if owner is None else \
+                            [m for m in owner.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        return reached
 
     # --- scopes -----------------------------------------------------------------------------------
     def _scope(self, node: ast.AST) -> Scope:
@@ -213,6 +268,11 @@ def _self_name(scope: Scope) -> str:
     if any(isinstance(d, ast.Name) and d.id == "staticmethod" for d in scope.decorator_list):
         return ""
     return scope.args.args[0].arg
+
+
+def _first_line(function: ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda) -> int:
+    """The line Python's code object starts at (`co_firstlineno`): a decorated function's first decorator."""
+    return min([function.lineno, *(d.lineno for d in getattr(function, "decorator_list", []))])
 
 
 def _parameters(scope: Scope) -> set[str]:

@@ -1,7 +1,8 @@
-"""rank_flow: from an op's line back to the line that gave a name holding a rank a value that is
-none (the line to fix), through assignments, `self.x`, the calls that pass parameters and the
-calls whose results the values are; none in a program that passes the rank along, or a name, a call, a field
-or an element that may be one, or loops over ranks."""
+"""rank_flow: from an op's line back to the line that gave a name holding a rank a number or a
+regrouped rank (the line to fix), through assignments, `self.x`, the calls that pass parameters
+and the calls whose results the values are; a number before a nearer regrouping; none in a
+program that passes the rank along, or a name, a call, a field or an element that may be one, or
+loops over ranks; only the calls the distributed side's functions make count."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from shardproof.report.rank_flow import rank_lost
+from shardproof.report.rank_flow import NUMBER, REGROUPED, rank_choice
 
 PROGRAMS = {
     "a constructor given 0": """
@@ -56,6 +57,29 @@ PROGRAMS = {
                 0,  # LOST
                 world_size,
             )
+    """,
+    "a neighbour's rank passed as the own": """
+        def pass_on(x, rank, world_size):
+            peer = (rank + 1) % world_size
+            return x[peer]  # USE
+
+        def step(x, rank, world_size):
+            return pass_on(
+                x,
+                (rank + 1) % world_size,  # LOST
+                world_size,
+            )
+    """,
+    "a number behind a nearer regrouping": """
+        class Shard:
+            def __init__(self, rank, world_size):
+                self.tp_rank = rank % 2
+
+            def forward(self, x):
+                return x[self.tp_rank]  # USE
+
+        def distributed(rank, world_size):
+            return Shard(0, world_size)  # LOST
     """,
     "a helper called with 0, its result used": """
         def local_rows(rank, world_size):
@@ -110,22 +134,44 @@ def _lines(tmp_path: Path, source: str) -> tuple[str, dict[str, int]]:
 @pytest.mark.parametrize("name", PROGRAMS)
 def test_the_line_that_lost_the_rank_is_found_from_its_use(tmp_path: Path, name: str) -> None:
     path, marks = _lines(tmp_path, PROGRAMS[name])
-    lost = rank_lost(path, marks["USE"])
+    lost = rank_choice(path, marks["USE"])
     assert lost is not None and lost.line == marks["LOST"], lost
 
 
 @pytest.mark.parametrize("name", FINE)
 def test_no_line_lost_a_rank_where_one_is_passed_or_may_be(tmp_path: Path, name: str) -> None:
     path, marks = _lines(tmp_path, FINE[name])
-    assert rank_lost(path, marks["USE"]) is None
+    assert rank_choice(path, marks["USE"]) is None
+
+
+WHATS = {"a neighbour's rank passed as the own": REGROUPED}
+
+
+@pytest.mark.parametrize("name", PROGRAMS)
+def test_what_the_rank_was_given_is_said(tmp_path: Path, name: str) -> None:
+    path, marks = _lines(tmp_path, PROGRAMS[name])
+    choice = rank_choice(path, marks["USE"])
+    assert choice is not None and choice.what == WHATS.get(name, NUMBER), choice
+
+
+def test_only_the_calls_the_distributed_side_makes_pass_its_rank(tmp_path: Path) -> None:
+    """The reference built from the same class with rank 0 (world size 1) is no finding of the distributed side's."""
+    source = PROGRAMS["a constructor given 0"].replace("Shard(0, world_size)  # LOST", "Shard(rank, world_size)") + """
+        def reference():
+            return Shard(0, 1)
+    """
+    path, marks = _lines(tmp_path, source)
+    entry = next(number for number, line in enumerate(Path(path).read_text().splitlines(), 1) if "def distributed" in line)
+    assert rank_choice(path, marks["USE"], frozenset({(path, entry)})) is None
+    assert rank_choice(path, marks["USE"]) is not None  # without entries, every call counts
 
 
 def test_an_edited_file_is_read_again(tmp_path: Path) -> None:
     path, marks = _lines(tmp_path, PROGRAMS["a constructor given 0"])
-    assert rank_lost(path, marks["USE"]) is not None
+    assert rank_choice(path, marks["USE"]) is not None
     Path(path).write_text(textwrap.dedent(FINE["the rank passed along"]) + "\n")
-    assert rank_lost(path, marks["USE"]) is None
+    assert rank_choice(path, marks["USE"]) is None
 
 
 def test_a_file_that_cannot_be_read_names_no_line(tmp_path: Path) -> None:
-    assert rank_lost(str(tmp_path / "gone.py"), 3) is None
+    assert rank_choice(str(tmp_path / "gone.py"), 3) is None
