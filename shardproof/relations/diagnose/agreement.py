@@ -29,14 +29,20 @@ def unreduced(rules: Rules, t: int) -> set[tuple]:
     return set()
 
 
-def grounded(rules: Rules, t: int, memo: dict[int, bool]) -> bool:
+def grounded(rules: Rules, t: int, memo: dict[int, bool], moved: bool = False) -> bool:
     """Built from reference values by regions and linear structure only, or from constants alone
     (a causal mask from a rank's positions, the same whatever the weights), or a partial result of
     an online softmax over such values (a block's attention or log-sum-exp: as a piece is of a
-    sum, it is a part of the whole's before the merge): still agreeing."""
+    sum, it is a part of the whole's before the merge): still agreeing. With `moved`, values whose
+    elements are only moved (a parameter flattened into a buffer, a flat shard read back with a
+    parameter's shape) agree too: a move changes no number, so the fault is where moved values
+    meet an op that computes. Without it, such a move is where a wrong layout shows (shards
+    concatenated along one dim, then reshaped), which the diagnoser looks for first."""
     if t not in memo:
         term = rules.u[t]
         inputs = term.args if term.op in STRUCTURAL else partial_result_of(rules, t)
+        if moved and term.op in LAYOUT_TERMS:
+            inputs = term.args[:1]
         memo[t] = rules.in_reference(t) or rules.of_constants(t) or (
-            inputs is not None and all(grounded(rules, a, memo) for a in inputs))
+            inputs is not None and all(grounded(rules, a, memo, moved) for a in inputs))
     return memo[t]

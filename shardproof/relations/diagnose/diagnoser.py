@@ -20,6 +20,7 @@ from shardproof.relations.diagnose.missing_reduction import MissingReductions
 from shardproof.relations.diagnose.overlap import OverlappingShards
 from shardproof.relations.diagnose.reads import CollectiveOperands
 from shardproof.relations.diagnose.shards import RankChunks
+from shardproof.relations.diagnose.swapped import SwappedOperands
 from shardproof.relations.diagnose.wrong_layout import LayoutFaults
 from shardproof.relations.diagnose.wrong_scale import ScaleFaults
 from shardproof.relations.execute import Execution
@@ -30,7 +31,7 @@ from shardproof.report.terms import describe, line_of, placement, value_name
 
 
 class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOperands, OverlappingShards, MaskedLookups,
-                LayoutFaults, RankChunks, TopCandidates, MergeWeights):
+                LayoutFaults, RankChunks, TopCandidates, MergeWeights, SwappedOperands):
     def __init__(self, run: Execution, reference: Graph, ranks: list[Graph], claims: bool = True):
         """`claims`: the outputs diagnosed are the case's claims, not a call's outputs compared as
         if whole, which a rank may rightly hold as a scaled share (a region of a reference term)."""
@@ -40,6 +41,8 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
         self.ranks = ranks
         self.claims = claims
         self._grounded: dict[int, bool] = {}
+        self._moved: dict[int, bool] = {}  # agreement where moves of agreeing values agree (`grounded`)
+        self._moves = False  # whether `_bad` takes such moves as agreeing
         self._ref_lins: dict[frozenset, int] = {}
         for t in run.reference:
             term = self.r.u[t]
@@ -79,6 +82,17 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
             scaled = self._prescaled_share(rank, self.ranks[rank][self.ranks[rank].outputs[index]], wanted)
             if scaled is not None:
                 return scaled
+        found = self._diverging(mismatched_outputs)
+        if found.verdict == "unknown":  # moves of agreeing values may hide where the numbers part
+            self._moves = True
+            moved = self._diverging(mismatched_outputs)
+            self._moves = False
+            if moved.verdict == "discrepancy":
+                return moved
+        return found
+
+    def _diverging(self, mismatched_outputs: list[tuple[int, int]]) -> Finding:
+        """The finding at the first divergence from the reference, else at the first mismatched output."""
         divergence = self._first_divergence(mismatched_outputs)
         if divergence is not None:
             rank, node, chain = divergence
@@ -94,6 +108,7 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
                 or self._misplaced_positions(rank, chain)
                 or self._too_few_candidates(rank, chain)
                 or self._misweighted_merge(rank, chain)
+                or self._swapped_operands(rank, chain)
             )
             if found is not None:
                 return found
@@ -163,7 +178,8 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
             return False
         t = self.run.ranks[rank][node.id]
         collective = OPS[node.op].kind == "collective"
-        return not self.grounded(t) or (collective and not self.region_of_reference(t))
+        agrees = grounded(self.r, t, self._moved, moved=True) if self._moves else self.grounded(t)
+        return not agrees or (collective and not self.region_of_reference(t))
 
     def _first_divergence(self, mismatched_outputs: list[tuple[int, int]]) -> tuple[int, Node, list[Node]] | None:
         """The earliest op from which a chain of disagreeing ops reaches a mismatched output,

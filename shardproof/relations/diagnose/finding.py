@@ -19,6 +19,7 @@ KINDS = {
     "double reduction": "a value already summed over ranks is summed again",
     "wrong group": "a reduction runs over fewer ranks than hold shares of the sum",
     "wrong scale": "the right terms with the wrong coefficients (a mean over a shard summed, say)",
+    "swapped operands": "a division or subtraction the other way round: with its operands swapped it gives the reference's value",
     "wrong layout": "an operand holds the wrong region of the reference's tensor, or reads it with the wrong shape",
     "wrong axis": "shards are concatenated along another dim than they were split on",
     "mismatched collectives": "ranks issue different collectives: a real run would hang or mix tensors",

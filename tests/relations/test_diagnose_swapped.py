@@ -1,0 +1,117 @@
+"""Swapped operands: a division or subtraction the other way round (relations/diagnose/swapped.py).
+Each buggy program is found at its line with that kind and disagrees numerically; each fixed twin
+is proven and agrees."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardproof import verify
+from shardproof.case import Case
+from shardproof.oracle import run_numeric
+
+HIDDEN, FFN, COUNT = 8, 16, 12
+
+
+class Gate(nn.Module):
+    """Two projections of the input, combined elementwise."""
+
+    def __init__(self, ffn: int = FFN):
+        super().__init__()
+        self.a = nn.Linear(HIDDEN, ffn, bias=False)
+        self.b = nn.Linear(HIDDEN, ffn, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.combine(self.a(x), self.b(x))
+
+    def combine(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.exp(a - b) + a / torch.exp(b)
+
+
+class ColumnParallelGate(Gate):
+    def __init__(self, world_size: int, swap: str):
+        super().__init__(FFN // world_size)
+        self.swap = swap
+
+    def combine(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        difference = b - a if self.swap == "sub" else a - b  # BUG when swap is sub
+        ratio = torch.exp(b) / a if self.swap == "div" else a / torch.exp(b)  # BUG when swap is div
+        return torch.exp(difference) + ratio
+
+
+class Total(nn.Module):
+    """The sum of a projection's values over the batch, divided by a count."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(HIDDEN, HIDDEN, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).sum(0) / COUNT
+
+
+class DataParallelTotal(Total):
+    def __init__(self, swap: bool):
+        super().__init__()
+        self.swap = swap
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        share = self.proj(x).sum(0)
+        share = COUNT / share if self.swap else share / COUNT  # BUG when swap
+        dist.all_reduce(share)
+        return share
+
+
+def _check(case: Case, world_size: int, kind: str | None) -> str:
+    report = verify(case, world_size=world_size)
+    numbers = run_numeric(case, world_size)
+    if kind is None:
+        assert report.verdict == "equivalent", report.diagnosis
+        assert numbers.agree, numbers.detail
+        return ""
+    assert not numbers.agree
+    assert report.verdict == "discrepancy" and report.kind == kind, report.diagnosis
+    culprit = report.distributed[0]
+    assert Path(culprit.file).name == Path(__file__).name and "# BUG" in culprit.code, report.distributed
+    return report.diagnosis + " | " + report.fix
+
+
+def _column_parallel(state: dict, rank: int, world_size: int) -> dict:
+    return {name: w.chunk(world_size, 0)[rank] for name, w in state.items()}
+
+
+def _gate(swap: str) -> Case:
+    return Case(Gate, lambda r, n: ColumnParallelGate(n, swap), lambda: (torch.randn(2, 3, HIDDEN),),
+                shard_state=_column_parallel, output=("shard", -1))
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_subtraction_the_other_way_round_is_found_where_it_is_made(world_size: int) -> None:
+    """exp(b - a) for exp(a - b): the difference is linear, so the values part at the exp; the
+    subtraction that made its operand is the culprit."""
+    said = _check(_gate("sub"), world_size, "swapped operands")
+    assert "`exp`" in said and "whose negation agrees" in said and "`difference`" in said
+    _check(_gate(""), world_size, None)
+
+
+def test_a_division_the_other_way_round_is_swapped_operands() -> None:
+    said = _check(_gate("div"), 2, "swapped operands")
+    assert "`ratio` divides" in said and "swap the operands of the division" in said
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_number_divided_by_a_share_of_a_sum_is_swapped_operands(world_size: int) -> None:
+    """`n / x` is traced as reciprocal(x) * n: the share divided by n agrees (a share of the sum
+    scaled as the reference scales the whole), its reciprocal does not."""
+    def case(swap: bool) -> Case:
+        return Case(Total, lambda r, n: DataParallelTotal(swap), lambda: (torch.randn(8, HIDDEN),),
+                    shard_input=lambda i, full, r, n: full.chunk(n, 0)[r])
+
+    said = _check(case(True), world_size, "swapped operands")
+    assert f"divides `{COUNT}` by" in said
+    _check(case(False), world_size, None)
