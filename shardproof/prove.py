@@ -126,7 +126,8 @@ def _judged(
             unproven = [(r, i) for r, i in unproven if not unreduced(run.rules, run.ranks[r][by_rank[r].outputs[i]])]
         if unproven:
             diagnoser = diagnoser or Diagnoser(run, reference, ranks, claims)
-            finding = diagnoser.diagnose(unproven, _expected_terms(run, ranks, check, unproven))
+            finding = diagnoser.diagnose(unproven, _expected_terms(run, ranks, check, unproven),
+                                         _replicated_term(run, reference, check) if claims else None)
             if finding.verdict == "unknown" and claims:
                 finding = _misshapen(diagnoser, reference, ranks, check, unproven) or finding
             findings.append(_about(check, finding, named=len(checks) > 1))
@@ -141,6 +142,13 @@ def _expected_terms(run: Execution, ranks: list[Graph], check: Check, unproven: 
         return {}
     by_rank = {g.rank: g for g in ranks}
     return {(r, i): run.ranks[r][by_rank[r].outputs[check.expected]] for r, i in unproven}
+
+
+def _replicated_term(run: Execution, reference: Graph, check: Check) -> int | None:
+    """The reference value every rank's output must equal whole, for a replicated output."""
+    if check.relation in ("rank", "loss") or check.relation[0] in ("shard", "zigzag"):
+        return None
+    return run.reference[reference.outputs[check.expected]]
 
 
 def _misshapen(diagnoser: Diagnoser, reference: Graph, ranks: list[Graph], check: Check, unproven: list[tuple[int, int]]) -> Finding | None:

@@ -16,6 +16,7 @@ from shardproof.relations.diagnose.collectives import CollectiveFaults
 from shardproof.relations.diagnose.finding import Finding
 from shardproof.relations.diagnose.lookups import MaskedLookups
 from shardproof.relations.diagnose.merges import MergeWeights
+from shardproof.relations.diagnose.misplaced import MisplacedTerms
 from shardproof.relations.diagnose.missing_reduction import MissingReductions
 from shardproof.relations.diagnose.overlap import OverlappingShards
 from shardproof.relations.diagnose.reads import CollectiveOperands
@@ -31,7 +32,8 @@ from shardproof.report.terms import describe, line_of, placement, value_name
 
 
 class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOperands, OverlappingShards, MaskedLookups,
-                LayoutFaults, RankChunks, TopCandidates, MergeWeights, SwappedOperands):
+                LayoutFaults, RankChunks, TopCandidates, MergeWeights, SwappedOperands,
+                MisplacedTerms):
     def __init__(self, run: Execution, reference: Graph, ranks: list[Graph], claims: bool = True):
         """`claims`: the outputs diagnosed are the case's claims, not a call's outputs compared as
         if whole, which a rank may rightly hold as a scaled share (a region of a reference term)."""
@@ -43,6 +45,7 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
         self._grounded: dict[int, bool] = {}
         self._moved: dict[int, bool] = {}  # agreement where moves of agreeing values agree (`grounded`)
         self._moves = False  # whether `_bad` takes such moves as agreeing
+        self._expected: dict[tuple[int, int], int] = {}  # (rank, output index) -> the term it must equal
         self._ref_lins: dict[frozenset, int] = {}
         for t in run.reference:
             term = self.r.u[t]
@@ -75,13 +78,16 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
         return unreduced(self.r, t)
 
     # --- entry --------------------------------------------------------------------------------------
-    def diagnose(self, mismatched_outputs: list[tuple[int, int]], expected: dict[tuple[int, int], int] | None = None) -> Finding:
+    def diagnose(self, mismatched_outputs: list[tuple[int, int]], expected: dict[tuple[int, int], int] | None = None,
+                 whole: int | None = None) -> Finding:
         """`mismatched_outputs`: (rank, output index) pairs whose value was not proven; `expected`,
-        where known, the term each of them must equal."""
+        where known, the term each of them must equal (a state after the step); `whole`, the
+        reference value each must equal, for a replicated output."""
         for (rank, index), wanted in (expected or {}).items():
             scaled = self._prescaled_share(rank, self.ranks[rank][self.ranks[rank].outputs[index]], wanted)
             if scaled is not None:
                 return scaled
+        self._expected = dict(expected or {}) if whole is None else {pair: whole for pair in mismatched_outputs}
         found = self._diverging(mismatched_outputs)
         if found.verdict == "unknown":  # moves of agreeing values may hide where the numbers part
             self._moves = True
@@ -125,7 +131,7 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
             return self._at_op(rank, consumer or node)
         rank, index = mismatched_outputs[0]
         node = self.ranks[rank][self.ranks[rank].outputs[index]]
-        return self._at_output(rank, node)
+        return self._misplaced_term(rank, node, self._expected.get((rank, index))) or self._at_output(rank, node)
 
     def wrong_shape(self, rank: int, node: Node, wanted: Node) -> Finding:
         """A rank's output of another shape than the reference output it must equal."""
