@@ -95,7 +95,16 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
             self._moves = False
             if moved.verdict == "discrepancy":
                 return moved
-        return found
+        return found if found.verdict != "unknown" else self._sum_terms_differ(mismatched_outputs) or found
+
+    def _sum_terms_differ(self, mismatched_outputs: list[tuple[int, int]]) -> Finding | None:
+        """An output that is the reference's sum but for some terms (misplaced.py)."""
+        for rank, index in mismatched_outputs:
+            node, wanted = self.ranks[rank][self.ranks[rank].outputs[index]], self._expected.get((rank, index))
+            found = self._misplaced_term(rank, node, wanted) or self._split_sum(rank, node, wanted)
+            if found is not None:
+                return found
+        return None
 
     def _diverging(self, mismatched_outputs: list[tuple[int, int]]) -> Finding:
         """The finding at the first divergence from the reference, else at the first mismatched output."""
@@ -131,7 +140,7 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
             return self._at_op(rank, consumer or node)
         rank, index = mismatched_outputs[0]
         node = self.ranks[rank][self.ranks[rank].outputs[index]]
-        return self._misplaced_term(rank, node, self._expected.get((rank, index))) or self._at_output(rank, node)
+        return self._at_output(rank, node)
 
     def wrong_shape(self, rank: int, node: Node, wanted: Node) -> Finding:
         """A rank's output of another shape than the reference output it must equal."""

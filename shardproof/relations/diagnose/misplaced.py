@@ -1,8 +1,10 @@
-"""A term from the wrong place: a rank's output is the reference's sum term for term but one, and
-that one is another region of the reference's values than the reference's (an optimizer's decayed
-weight taken from another parameter's slot of a flat buffer). Every op on the way only moved or
-combined agreeing values, so no op diverges by itself; the output names the fault. A part of
-`Diagnoser`.
+"""Outputs that are the reference's sum but for some terms. Every op on the way only moved or
+combined agreeing values, so no op diverges by itself; the outputs name the fault:
+- a term from the wrong place: one term is another region of the reference's values than the
+  reference's (an optimizer's decayed weight taken from another parameter's slot of a flat buffer);
+- a sum split over ranks: each rank holds some of the sum's terms and the ranks together hold all
+  of them once (the two copies of a tied weight, each updated with its own gradient): the sum over
+  ranks is missing. A part of `Diagnoser`.
 """
 
 from __future__ import annotations
@@ -38,6 +40,39 @@ class MisplacedTerms:
             [(rank, culprit), (rank, node)],
             fix=f"make {value_name(culprit)} at {line_of(culprit)} take {describe(self.r.u, should, 2)}",
             regions=[region(self.r, f"rank {rank}", got), region(self.r, "reference", should)],
+        )
+
+
+    def _split_sum(self, rank: int, node: Node, wanted: int | None) -> Finding | None:
+        """`node`'s sum holds only terms of the reference's sum `wanted`, some missing, and outputs
+        of other ranks made of that sum's terms too hold the missing ones (a tied weight's other
+        copy): the sum over ranks of their parts is missing."""
+        if wanted is None:
+            return None
+        want = _parts(self.r, wanted)
+        have = _parts(self.r, self.run.ranks[rank][node.id])
+        if len(want) < 2 or any(want.get(t) != c for t, c in have.items()) or len(have) == len(want):
+            return None
+        elsewhere: dict[int, set[int]] = {}  # rank -> the terms of the sum its outputs made of some of them hold
+        for graph in self.ranks:
+            for output in graph.outputs if graph.rank != rank else ():
+                theirs = _parts(self.r, self.run.ranks[graph.rank][output])
+                if theirs != want and len(theirs) > 1 and all(want.get(t) == c for t, c in theirs.items()):
+                    elsewhere.setdefault(graph.rank, set()).update(theirs)
+        held = set().union(*elsewhere.values())
+        mine = sorted(set(have) - held)
+        if not set(want) - set(have) <= held or not mine:
+            return None
+        culprit = self._introducing(rank, node, lambda t: any(a == t or a in self._lin_args(t) for a in mine))
+        return Finding(
+            "discrepancy",
+            "missing reduction",
+            f"missing reduction: on rank {rank}, {value_name(node)} holds {describe(self.r.u, mine[0], 2)}"
+            f"{' and more' if len(mine) > 1 else ''} of the terms of the reference's sum but not the others, which "
+            f"ranks {sorted(elsewhere)} hold: the reference's value is the sum of the ranks' parts, which no "
+            "collective takes",
+            [(rank, culprit), (rank, node)],
+            fix=f"sum {value_name(culprit)} over ranks {sorted({rank, *elsewhere})} (an all-reduce) before it is used",
         )
 
 

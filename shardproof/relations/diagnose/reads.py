@@ -40,6 +40,16 @@ def _unused_like(graph: Graph, buffers: list[Node], world_size: int) -> Node | N
     return first_of((Fraction(1), Fraction(1, world_size))) or first_of((Fraction(world_size),))
 
 
+def _same_call(graph: Graph, node: Node, other: Graph) -> Node | None:
+    """`node`, a collective of `graph`, on `other`: the call of its op over its group that comes as
+    many calls later (ranks of different pipeline stages run different ops between them)."""
+    def calls(g: Graph) -> list[Node]:
+        return [n for n in g.nodes if n.op == node.op and n.attrs[-1] == node.attrs[-1]]
+
+    k, theirs = calls(graph).index(node), calls(other)
+    return theirs[k] if k < len(theirs) else None
+
+
 class CollectiveOperands:
     """Divergences explained by what a collective or an op is handed."""
 
@@ -61,7 +71,7 @@ class CollectiveOperands:
         elif held == {"max_piece"} and op != "MAX":
             kind, whole, needed = "partial max", "maximum", "MAX"
         else:
-            return None
+            return self._summed_in_reference(rank, node, op)
         value = value_name(self.ranks[rank][node.inputs[0]])
         return Finding(
             "discrepancy",
@@ -72,6 +82,29 @@ class CollectiveOperands:
             [(rank, node)],
             op=node.op,
             fix=f"reduce {value} with ReduceOp.{needed}, not ReduceOp.{op}, at {line_of(node)}",
+        )
+
+    def _summed_in_reference(self, rank: int, node: Node, op: str) -> Finding | None:
+        """An all-reduce by another op than SUM of values whose sum over its group is a value the
+        reference computes (the two copies of a tied weight's gradient, each made whole on its own
+        rank): the parts are terms of that sum, not shares of a maximum."""
+        if node.op != "all_reduce" or op in ("SUM", "AVG") or self.region_of_reference(self.run.ranks[rank][node.id]):
+            return None
+        parts = [_same_call(self.ranks[rank], node, self.ranks[member]) for member in node.attrs[-1]]
+        if any(p is None for p in parts):
+            return None
+        total = self.r.lin([(self.run.ranks[m][p.inputs[0]], Fraction(1)) for m, p in zip(node.attrs[-1], parts)])
+        if not self.r.in_reference(total):
+            return None
+        value = value_name(self.ranks[rank][node.inputs[0]])
+        return Finding(
+            "discrepancy",
+            "wrong reduce op",
+            f"wrong reduce op: `{node.op}` over ranks {list(node.attrs[-1])} combines {value} with ReduceOp.{op}, but "
+            f"the ranks' values of it are the terms of a sum the reference computes: only ReduceOp.SUM gives it",
+            [(rank, node)],
+            op=node.op,
+            fix=f"reduce {value} with ReduceOp.SUM, not ReduceOp.{op}, at {line_of(node)}",
         )
 
     def _uninitialised_read(self, rank: int, chain: list[Node]) -> Finding | None:
