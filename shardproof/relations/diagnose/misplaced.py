@@ -57,7 +57,7 @@ class MisplacedTerms:
         for graph in self.ranks:
             for output in graph.outputs if graph.rank != rank else ():
                 theirs = _parts(self.r, self.run.ranks[graph.rank][output])
-                if theirs != want and len(theirs) > 1 and all(want.get(t) == c for t, c in theirs.items()):
+                if theirs != want and all(want.get(t) == c for t, c in theirs.items()):
                     elsewhere.setdefault(graph.rank, set()).update(theirs)
         held = set().union(*elsewhere.values())
         mine = sorted(set(have) - held)
