@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable
 
-from shardproof.errors import UnsupportedOp
+from shardproof.errors import CaseError, UnsupportedOp
 from shardproof.findings import combined, confirmed, failing_claims
 from shardproof.gc_tuning import fewer_collections
 from shardproof.ir.graph import Graph, Node
@@ -52,6 +52,8 @@ def verify_candidates(
             return _no_rule(err, world_size, time.perf_counter() - start)
         if proof.verdict == "discrepancy":
             proof.findings = _confirmed(proof, chosen, progress)
+        if chosen.captured.refused and proof.verdict != "discrepancy":
+            raise CaseError(chosen.captured.refused)
         return _report(proof, chosen, time.perf_counter() - start)
 
 

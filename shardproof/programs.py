@@ -48,6 +48,7 @@ class Captured:
     ranks: list[Graph]
     checks: list[Check]
     seconds: float
+    refused: str = ""  # the case's breach of contract (steps.Program.refused): unusable unless a claim fails
 
 
 @dataclass

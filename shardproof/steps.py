@@ -56,6 +56,8 @@ class Program:
     """The forward program: the model's outputs under the case's OUTPUT layout."""
 
     bound: tuple[int, ...] = ()  # reference outputs each rank program receives
+    refused = ""  # why the case breaks its contract, stated once the claims are made: it is unusable
+    # input unless a claim that can be checked without what is missing is found failing
     loads_separately = True  # `rank` is `load` then `run_loaded`: capture may trace the loader on its own
     differentiates = False  # no gradient flows through the traced program
 
@@ -161,8 +163,9 @@ class TrainingProgram(Program):
         missing = [] if renamed else [n for n in self.names if n not in trained_somewhere]
         if missing:
             raise CaseError(f"no rank trains `{missing[0]}`, which the reference trains")
-        if not any(trained.loss for _, trained in runs):
-            raise CaseError("no rank returns the loss: distributed_step must return it on the ranks that compute it")
+        if not any(trained.loss for _, trained in runs):  # the gradients can still be judged: a program whose
+            # stages are assigned wrong (no rank is the last) computes them wrong, and that is a discrepancy
+            self.refused = "no rank returns the loss: distributed_step must return it on the ranks that compute it"
         return super().claims(reference_outputs, runs)
 
     def checks(self, reference_outputs: int, rank_outputs: int, trained: Trained) -> list[Check]:

@@ -229,10 +229,11 @@ def test_a_rank_holding_a_parameter_the_reference_trains_must_train_it() -> None
     assert not numbers.agree and "rank 1 holds `bias` without training it" in numbers.detail
 
 
-def _stages(drop: str | None = None, loss_on_rank_0: bool = False) -> Case:
+def _stages(drop: str | None = None, loss_on_rank_0: bool = False, returned: bool = True, scale: float = 1.0) -> Case:
     """Two pipeline stages of nn.Sequential(Linear, Tanh, Linear) (its parameters under their
     reference names): rank 0 the first layer and the tanh, rank 1 the second layer and the loss.
-    `drop`: a parameter no stage holds."""
+    `drop`: a parameter no stage holds; `returned`: whether rank 1 returns the loss; `scale`: the
+    factor rank 1's backward scales the loss by."""
 
     def build(rank: int, world_size: int) -> nn.Module:
         model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
@@ -255,9 +256,9 @@ def _stages(drop: str | None = None, loss_on_rank_0: bool = False) -> Case:
         dist.recv(hidden, 0)
         hidden.requires_grad_()
         loss = _mse(model(hidden), x)
-        loss.backward()
+        (scale * loss).backward()
         dist.send(hidden.grad, 0)
-        return loss
+        return loss if returned else None
 
     reference = lambda: nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))  # noqa: E731
     return Case(reference, build, lambda: (torch.randn(4, 4),), loss=_mse, distributed_step=step, mode="train")
@@ -280,6 +281,17 @@ def test_a_loss_returned_by_a_stage_before_the_last_is_claimed_too() -> None:
     report = verify(_stages(loss_on_rank_0=True), world_size=2)
     assert report.verdict != "equivalent"
     assert not run_numeric(_stages(loss_on_rank_0=True), 2).agree
+
+
+def test_a_step_returning_no_loss_is_unusable_unless_a_gradient_is_found_wrong() -> None:
+    """Without a loss the gradients can still be judged: found wrong, the program is a discrepancy
+    (a pipeline whose stages are assigned wrong, so that no rank is the last, computes them wrong);
+    proven or not, the case breaks its contract."""
+    with pytest.raises(CaseError, match="no rank returns the loss"):
+        verify(_stages(returned=False), world_size=2)
+    report, numbers = verify(_stages(returned=False, scale=2.0), world_size=2), run_numeric(_stages(returned=False, scale=2.0), 2)
+    assert report.verdict == "discrepancy" and report.kind == "wrong scale", report.diagnosis
+    assert not numbers.agree and "gradient of" in numbers.detail
 
 
 class InferenceOnly(Mlp):

@@ -275,7 +275,7 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
                            sites, scale=factor,
                            fix=f"scale by {want} (the whole) instead of {scaling[1]} (a share) at {line_of(scaling[0])}")
         return (self._wrong_axis_finding(rank, node) or self._misplaced_positions(rank, [node])
-                or self._unwritten_output(rank, node) or self._unexplained(rank, node))
+                or self._unwritten_output(rank, node) or self._overlapping_gather(rank, [node]) or self._unexplained(rank, node))
 
     # --- finding the line that introduced something ---------------------------------------------------
     def _lin_args(self, t: int) -> tuple[int, ...]:

@@ -10,6 +10,7 @@ from shardproof.ir.graph import Node
 from shardproof.relations.diagnose.agreement import LAYOUT_OPS
 from shardproof.relations.diagnose.finding import Finding
 from shardproof.relations.diagnose.shards import cutting, own_chunk
+from shardproof.relations.layout import full_box
 from shardproof.report.terms import line_of
 
 Span = tuple[int, int]
@@ -56,7 +57,8 @@ class OverlappingShards:
     def _overlapping_gather(self, rank: int, chain: list[Node]) -> Finding | None:
         """An all-gather before the divergence whose members hold regions of one tensor that
         overlap and leave gaps along the dim they differ in (a rank's slice at a wrong offset,
-        gathered): found at the slice that cut the part that is not its member's own chunk."""
+        gathered; every member's the same region), or that tile it out of the members' order:
+        found at the slice that cut the part that is not its member's own chunk."""
         graph = self.ranks[rank]
         for gather in (n for n in graph.ancestors(chain[0]) if n.op == "all_gather"):
             term = self.r.u[self.run.ranks[rank][gather.id]]
@@ -65,27 +67,37 @@ class OverlappingShards:
                 continue
             boxes = [box for _, box in regions]
             differing = [d for d in range(len(boxes[0])) if len({b[d] for b in boxes}) > 1]
+            if not differing and len(boxes) > 1 and boxes[0] != full_box(self.r.shape(regions[0][0])):
+                differing = [term.attrs[0]]  # every member holds the same region: they overlap along the gathered dim
             if len(differing) != 1:
                 continue
             dim, size = differing[0], self.r.shape(regions[0][0])[differing[0]]
-            faults = _faults([b[dim] for b in boxes], size)
+            overlapping = _faults([b[dim] for b in boxes], size)
+            faults = overlapping or _out_of_order([b[dim] for b in boxes])
             if not faults:
                 continue
+            kind = "overlapping shards" if overlapping else "wrong layout"
             for position, member in enumerate(gather.attrs[-1]):
                 lo, hi = boxes[position][dim]
-                culprit = self._slice_at(member, gather, (lo, hi))
+                culprit = self._slice_at(member, gather, (lo, hi)) or self._input_cut(member, gather)
                 if culprit is not None and lo != position * (hi - lo):
                     parts = ", ".join(f"[{b[dim][0]}:{b[dim][1]})" for b in boxes)
                     own = f"[{position * (hi - lo)}:{(position + 1) * (hi - lo)})"
                     return Finding(
-                        "discrepancy", "overlapping shards",
-                        f"wrong layout (overlapping shards): `all_gather` over ranks {list(gather.attrs[-1])} joins parts {parts} "
+                        "discrepancy", kind,
+                        f"wrong layout{' (overlapping shards)' if overlapping else ''}: `all_gather` over ranks {list(gather.attrs[-1])} joins parts {parts} "
                         f"of a dim of size {size}, which {faults}: rank {member} cuts its part at [{lo}:{hi}), not at its "
                         f"own chunk {own}",
                         [(member, culprit), (rank, gather)],
                         fix=f"make rank {member} take its own chunk at {line_of(culprit)}",
                     )
         return None
+
+    def _input_cut(self, rank: int, gather: Node) -> Node | None:
+        """The loader's (or `shard_input`'s) cut of another chunk than the rank's own that `rank`'s
+        part of `gather` is computed from."""
+        own = self.counterpart(rank, gather)
+        return None if own is None else self._loader_slice(rank, self.ranks[rank][own.inputs[0]], unnatural=True)
 
     def _slice_at(self, rank: int, gather: Node, span: Span) -> Node | None:
         """The slice on `rank` that cut [lo:hi) of the part it contributes to `gather`."""
@@ -143,6 +155,11 @@ class OverlappingShards:
 
 def _sums_over_ranks(node: Node) -> bool:
     return node.op == "reduce_scatter" or (node.op == "all_reduce" and node.attrs[0] == "sum")
+
+
+def _out_of_order(spans: list[Span]) -> str:
+    """Spans that tile their dim in another order than their members' (rank i's part at i)."""
+    return "" if spans == sorted(spans) else "hold every part once but out of the members' order"
 
 
 def _faults(spans: list[Span], size: int) -> str:
