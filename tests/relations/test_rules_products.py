@@ -450,3 +450,20 @@ def test_shards_of_flattened_rows_starting_at_zero_stay_shares(batch):
     total = b.add(*shares)
     assert total.term == full.term
     b.check(total)
+
+
+@pytest.mark.parametrize("h0, h1", [(0, 2), (2, 4), (1, 3)])
+def test_heads_of_a_rotary_query_half_times_the_shared_key_are_heads_of_the_product(h0, h1):
+    """MLA's rotary part under TP: a rank's heads of rotate-half's first half of the queries,
+    lin(Q[:, h, :, :2], -Q[:, h, :, 2:]), times the one rotary key broadcast to those heads, is
+    those heads of the reference's product over all heads (the key, itself half of the rotary
+    key's rows, lifted to them as it is)."""
+    b = Build()
+    q, key = b.leaf("q", (2, 4, 3, 4)), b.sl(b.leaf("key", (2, 1, 4, 3)), 2, 0, 2)
+    half = b.sub(b.sl(q, 3, 0, 2), b.sl(q, 3, 2, 4))
+    whole = b.op("matmul", half, b.expand(key, (2, 4, 2, 3)))
+    b.r.reference_size = len(b.u)
+    mine = b.sl(q, 1, h0, h1)
+    y = b.op("matmul", b.sub(b.sl(mine, 3, 0, 2), b.sl(mine, 3, 2, 4)), b.expand(key, (2, h1 - h0, 2, 3)))
+    b.check(y)
+    assert b.is_slice_of(y, whole)

@@ -610,3 +610,16 @@ def test_gate_gradient_columns_an_all_to_all_returns_are_the_rows_of_the_referen
     mine = b.view(b.permute(received, (1, 0, 2)), (tokens, experts))
     b.check(mine)
     assert mine.term == b.sl(reference, 0, 0, tokens).term
+
+
+def test_a_broadcast_key_flattened_into_heads_and_back_is_the_broadcast():
+    """One key (b, 1, s, d) expanded to h heads and flattened (b * h, s, d) for bmm is a repeat;
+    viewed back to (b, h, s, d) it is the key broadcast to the heads, as the expand alone is."""
+    b = Build()
+    key = b.leaf("key", (2, 1, 3, 4))
+    heads = b.expand(key, (2, 5, 3, 4))
+    flat = b.view(heads, (10, 3, 4))
+    back = b.view(flat, (2, 5, 3, 4))
+    for y in (flat, back):
+        b.check(y)
+    assert b.op_of(flat) == "repeat" and back.term == heads.term

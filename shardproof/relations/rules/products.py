@@ -276,14 +276,23 @@ def _aligned_regions(r: Rules, a: int, b: int) -> list[tuple[int, Box, int, Box]
 
 
 def _align_batch(r: Rules, a: int, ra: int, box_a: Box, b: int, rb: int, box_b: Box) -> tuple[int, Box, int, Box]:
-    """Express the operand without a batch slice as a region with the other operand's batch box."""
+    """Express the operand without a batch slice as a region with the other operand's batch box:
+    over its own region, or else as it is (its matrix dims whole) where only that contracts alike
+    (a rank's heads of half a rotary query, times the one rotary key broadcast to those heads).
+    The first regions that line up; else the first found."""
+    first = None
     for sliced, other in ((a, b), (b, a)):
-        other_root, other_box = r.as_region(other)
-        for root, box in r.regions(sliced):
-            if root == sliced:
-                continue
-            target = box[:-2] + other_box[-2:]
-            lifted = r.region_like(other, target, r.shape(root)[:-2] + r.shape(other_root)[-2:])
-            if lifted is not None:
-                return (root, box, lifted, target) if sliced == a else (lifted, target, root, box)
-    return ra, box_a, rb, box_b
+        own = r.as_region(other)
+        for other_root, other_box in dict.fromkeys((own, (other, full_box(r.shape(other))))):
+            for root, box in r.regions(sliced):
+                if root == sliced:
+                    continue
+                target = box[:-2] + other_box[-2:]
+                lifted = r.region_like(other, target, r.shape(root)[:-2] + r.shape(other_root)[-2:])
+                if lifted is None:
+                    continue
+                found = (root, box, lifted, target) if sliced == a else (lifted, target, root, box)
+                if _aligned(r, *found):
+                    return found
+                first = first or found
+    return first or (ra, box_a, rb, box_b)

@@ -42,6 +42,10 @@ class ViewRules:
                 # above may not follow: a rank's slice given a new axis to all-gather along, then
                 # flattened with it
                 return self.view(term.args[0], shape)
+        if term.op == "repeat":
+            unrepeated = self._view_repeat(x, shape)
+            if unrepeated is not None:
+                return unrepeated
         if term.op == "slice" and self.u[term.args[0]].op == "permute":
             moved = self._view_sliced_permute(x, shape, reorder=self._block_moved_behind(x))
             if moved is not None:
@@ -397,6 +401,20 @@ class ViewRules:
             middle = self.literal("view", (self.permute(inner, order),), (), middle_shape, term.dtype)
         position = {j: i for i, j in enumerate(j for _, gj in ordered for j in gj)}
         return self.permute(middle, tuple(position[j] for j in range(len(shape))))
+
+    def _view_repeat(self, x: int, shape: tuple[int, ...]) -> int | None:
+        """repeat(X, d, k) reshaped so that dim d splits into (X's size, k) is X broadcast along the
+        new k-sized dim: row a * k + b is row a of X (a broadcast key flattened into a batch of
+        heads for bmm, put back into its heads)."""
+        term = self.u[x]
+        d, times = term.attrs
+        inner = term.args[0]
+        groups = reshape_groups(term.shape, shape)
+        split = next((gj for gi, gj in groups or () if gi == [d]), None)
+        if split is None or len(split) != 2 or (shape[split[0]], shape[split[1]]) != (self.shape(inner)[d], times):
+            return None
+        kept = tuple(j for j in range(len(shape)) if j != split[1])
+        return self.bcast(self.view(inner, tuple(shape[j] for j in kept)), shape, kept)
 
     def _view_bcast(self, x: int, shape: tuple[int, ...]) -> int | None:
         """Reshape a broadcast group by group. Groups of kept dims reshape the base (taking a
