@@ -15,7 +15,9 @@ Distributed, per rank of n, all on the default group (TP = EP = n):
   - vocab-parallel embedding and column-parallel lm_head, as examples/llama_tp.py;
   - MLA tensor parallel by heads: q_a_proj, kv_a_proj_with_mqa and their norms replicated,
     q_b_proj and kv_b_proj column-parallel (this rank's heads' rows), o_proj row-parallel and
-    all-reduced (Megatron-LM's and vLLM's layout);
+    all-reduced (Megatron-LM's and vLLM's layout); the rotary key, shared by all heads, has its
+    gradient all-reduced as a column-parallel layer's input has (without it, training reaches
+    kv_a_proj_with_mqa with each rank's heads' share: a missing reduction shardproof reports);
   - dense MLP and shared expert tensor parallel: gate and up column-parallel, down row-parallel;
   - routed experts expert parallel: rank r holds experts [r * E / n, (r + 1) * E / n). Each rank
     routes its own rows of the (replicated) tokens, dispatches them and their gates with
@@ -25,8 +27,10 @@ Distributed, per rank of n, all on the default group (TP = EP = n):
 `shard_state` cuts each rank's tensors from the reference checkpoint by slicing only.
 
 `--preset deepseek-v3` has DeepSeek-V3's shapes: 61 layers (3 dense), hidden 7168, 128 heads,
-q rank 1536, kv rank 512, 256 routed experts of 2048 plus one shared, top-8; a batch of 64 tokens,
-one per rank at 64 ranks.
+q rank 1536, kv rank 512, 256 routed experts of 2048 plus one shared, top-8; a batch of 4
+sequences of 16 tokens, one token per rank at 64 ranks. Not proven yet: one head per rank (the
+rotary key, shared by the heads, is then not broadcast at all) and a batch of one sequence
+(`unknown`, the numbers agreeing).
 """
 
 from __future__ import annotations
@@ -40,7 +44,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from llama_reference import LlamaConfig, RMSNorm, apply_rope, causal_attention, rotary_tables
-from llama_tp import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from llama_tp import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    copy_to_tensor_parallel_region,
+)
 from moe_ep import MoEConfig, Router, exchange
 
 
@@ -84,7 +94,7 @@ PRESETS = {
     "deepseek-v3": DeepSeekConfig(
         vocab=129280, hidden=7168, n_layers=61, dense_layers=3, n_heads=128, q_lora_rank=1536, kv_lora_rank=512,
         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, ffn=18432, expert_ffn=2048, experts=256, top_k=8,
-        seq=64, batch=1,
+        seq=16, batch=4,
     ),
 }  # fmt: skip
 CONFIG = SMALL
@@ -98,13 +108,19 @@ def linear(in_features: int, out_features: int) -> nn.Module:
     return nn.Linear(in_features, out_features, bias=False)
 
 
+def _same(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 class MLA(nn.Module):
     """Multi-head latent attention over `heads` heads; `column` and `row` make the projections
-    into and out of the heads (plain, or tensor parallel)."""
+    into and out of the heads (plain, or tensor parallel), `shared` maps the rotary key every head
+    reads (under TP: identity forward, its gradient, a share per rank's heads, all-reduced)."""
 
-    def __init__(self, c: DeepSeekConfig, heads: int, column: Linear = linear, row: Linear = linear):
+    def __init__(self, c: DeepSeekConfig, heads: int, column: Linear = linear, row: Linear = linear,
+                 shared: Callable[[torch.Tensor], torch.Tensor] = _same):
         super().__init__()
-        self.c, self.heads = c, heads
+        self.c, self.heads, self.shared = c, heads, shared
         qk = c.qk_nope_head_dim + c.qk_rope_head_dim
         self.q_a_proj = linear(c.hidden, c.q_lora_rank)
         self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.norm_eps)
@@ -123,7 +139,7 @@ class MLA(nn.Module):
         kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(b, s, h, -1).transpose(1, 2)
         k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
         cos, sin = rotary_tables(c.rope, s, x.dtype, x.device)
-        q_pe, k_pe = apply_rope(q_pe, cos, sin), apply_rope(k_pe.view(b, 1, s, -1), cos, sin)
+        q_pe, k_pe = apply_rope(q_pe, cos, sin), apply_rope(self.shared(k_pe).view(b, 1, s, -1), cos, sin)
         query = torch.cat([q_nope, q_pe], dim=-1)
         key = torch.cat([k_nope, k_pe.expand(b, h, s, c.qk_rope_head_dim)], dim=-1)
         out = causal_attention(query, key, v).transpose(1, 2).reshape(b, s, h * c.v_head_dim)
@@ -275,7 +291,7 @@ def parallel(c: DeepSeekConfig, rank: int, world_size: int) -> DeepSeekV3:
     layers = [
         DecoderLayer(
             c,
-            MLA(c, c.n_heads // world_size, ColumnParallelLinear, RowParallelLinear),
+            MLA(c, c.n_heads // world_size, ColumnParallelLinear, RowParallelLinear, copy_to_tensor_parallel_region),
             MLP(c.hidden, c.ffn // world_size, ColumnParallelLinear, RowParallelLinear)
             if i < c.dense_layers
             else ExpertParallelMoE(c, world_size),
@@ -342,3 +358,16 @@ def shard_state(ref_state: dict, rank: int, world_size: int) -> dict:
 
 def loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     return logits.pow(2).mean()
+
+
+def distributed_step(model: nn.Module, inputs: tuple, rank: int, world_size: int) -> torch.Tensor:
+    """Megatron's step: the loss of the replicated logits; each router, which saw only this rank's
+    rows, has its gradient summed over the ranks (the other copies' gradients are whole already:
+    their inputs' gradients are all-reduced or gathered by the layers' autograd mappings)."""
+    (input_ids,) = inputs
+    out = loss(model(input_ids), input_ids)
+    out.backward()
+    for name, param in model.named_parameters():
+        if name.endswith("router.weight"):
+            dist.all_reduce(param.grad)
+    return out
