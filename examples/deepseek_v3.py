@@ -27,10 +27,10 @@ Distributed, per rank of n, all on the default group (TP = EP = n):
 `shard_state` cuts each rank's tensors from the reference checkpoint by slicing only.
 
 `--preset deepseek-v3` has DeepSeek-V3's shapes: 61 layers (3 dense), hidden 7168, 128 heads,
-q rank 1536, kv rank 512, 256 routed experts of 2048 plus one shared, top-8; a batch of 4
-sequences of 16 tokens, one token per rank at 64 ranks. Not proven yet: one head per rank (the
-rotary key, shared by the heads, is then not broadcast at all) and a batch of one sequence
-(`unknown`, the numbers agreeing).
+q rank 1536, kv rank 512, 256 routed experts of 2048 plus one shared, top-8; a batch of 8
+sequences of 16 tokens, two rows per rank at 64 ranks. Not proven yet (`unknown`): one head per
+rank (the rotary key, shared by the heads, is then not broadcast at all), one row of tokens per
+rank, a batch of one sequence; and in training the routers' gradients, as in examples/moe_ep.py.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ PRESETS = {
     "deepseek-v3": DeepSeekConfig(
         vocab=129280, hidden=7168, n_layers=61, dense_layers=3, n_heads=128, q_lora_rank=1536, kv_lora_rank=512,
         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, ffn=18432, expert_ffn=2048, experts=256, top_k=8,
-        seq=16, batch=4,
+        seq=16, batch=8,
     ),
 }  # fmt: skip
 CONFIG = SMALL
