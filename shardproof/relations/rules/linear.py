@@ -18,6 +18,7 @@ from shardproof.relations.rules.values import FLOAT_DTYPES, is_finite_number
 
 
 PIECES = ("piece", "max_piece", "arg_piece", "top_piece")
+_ONE = Fraction(1)
 # Where a piece's axis names terms (the product, table, ids or whole it is a part of), by the axis's
 # kind: ("matmul", A @ B); ("lookup", dim, table, ids); ("joint", axes); a reduction's or top k's
 # (op, dim, whole) otherwise.
@@ -50,11 +51,14 @@ class LinearRules:
     def lin(self, pairs: list[tuple[int, Fraction]]) -> int:
         coefs: dict[int, Fraction] = {}
         for t, c in pairs:
+            c = c if type(c) is Fraction else Fraction(c)
             term = self.u[t]
-            inner_pairs = zip(term.args, term.attrs[0]) if term.op == "lin" else [(t, Fraction(1))]
+            inner_pairs = zip(term.args, term.attrs[0]) if term.op == "lin" else [(t, _ONE)]
             for inner, ic in inner_pairs:
                 inner, ic = self._unit_constant(inner, ic)
-                coefs[inner] = coefs.get(inner, Fraction(0)) + Fraction(c) * ic
+                weight = ic if c == 1 else c * ic  # Fraction arithmetic is slow: sums of many terms mostly add ones
+                known = coefs.get(inner)
+                coefs[inner] = weight if known is None else known + weight
         coefs = self._merge_pieces({t: c for t, c in coefs.items() if c != 0})
         if any(self.u[t].op == "lin" for t in coefs):  # pieces merged into a whole that is a sum itself
             return self.lin(list(coefs.items()))
