@@ -30,7 +30,7 @@ Distributed, per rank of n, all on the default group (TP = EP = n):
 q rank 1536, kv rank 512, 256 routed experts of 2048 plus one shared, top-8; a batch of 8
 sequences of 16 tokens, two rows per rank at 64 ranks. Not proven yet (`unknown`): one head per
 rank (the rotary key, shared by the heads, is then not broadcast at all), one row of tokens per
-rank, a batch of one sequence; and in training the routers' gradients, as in examples/moe_ep.py.
+rank, a batch of one sequence. Training (`--train`, `distributed_step`) is proven at 2, 4, 8 ranks.
 """
 
 from __future__ import annotations

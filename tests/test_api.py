@@ -123,10 +123,11 @@ def test_the_causal_ring_attention_example_is_proven_in_training(world_size: int
 
 
 @pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)])
-def test_the_expert_parallel_example_is_proven_in_training(world_size: int) -> None:
-    """examples/moe_ep.py (forward at 1, 2, 4, 8 below): the router's gradient too, its gates'
-    gradient returned per peer by the inverse all_to_all."""
-    path = EXAMPLES / "moe_ep.py"
+@pytest.mark.parametrize("name", ["moe_ep.py", "deepseek_v3.py"])
+def test_the_expert_parallel_examples_are_proven_in_training(name: str, world_size: int) -> None:
+    """examples/moe_ep.py and deepseek_v3.py (EP x TP; forward at 1, 2, 4, 8 below): the routers'
+    gradients too, their gates' gradient returned per peer by the inverse all_to_all."""
+    path = EXAMPLES / name
     report = verify(path, world_size=world_size, train=True)
     assert run_numeric(load_case(path), world_size, mode="train").agree
     assert report.verdict == "equivalent", report.diagnosis
