@@ -114,6 +114,14 @@ FINE = {
             def forward(self, x):
                 return x[self.root_rank]  # USE
     """,
+    "a low-rank projection's width": """
+        class Attention:
+            def __init__(self, dim):
+                self.kv_lora_rank = 0
+
+            def forward(self, x):
+                return x[: self.kv_lora_rank]  # USE
+    """,
     "a count of ranks": """
         def cut(x, world_size):
             n_rank = 2
