@@ -161,10 +161,11 @@ class TrainingProgram(Program):
             trained_somewhere.update(trained.names)
         renamed = not trained_somewhere <= set(self.names)
         missing = [] if renamed else [n for n in self.names if n not in trained_somewhere]
+        # what is missing cannot be claimed, but the rest can still be judged: a program whose stages are
+        # assigned wrong (no rank is the last) computes it wrong, and that is a discrepancy
         if missing:
-            raise CaseError(f"no rank trains `{missing[0]}`, which the reference trains")
-        if not any(trained.loss for _, trained in runs):  # the gradients can still be judged: a program whose
-            # stages are assigned wrong (no rank is the last) computes them wrong, and that is a discrepancy
+            self.refused = f"no rank trains `{missing[0]}`, which the reference trains"
+        elif not any(trained.loss for _, trained in runs):
             self.refused = "no rank returns the loss: distributed_step must return it on the ranks that compute it"
         return super().claims(reference_outputs, runs)
 

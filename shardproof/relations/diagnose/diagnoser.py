@@ -14,13 +14,14 @@ from shardproof.relations.diagnose.agreement import LAYOUT_OPS, grounded, unredu
 from shardproof.relations.diagnose.candidates import TopCandidates
 from shardproof.relations.diagnose.collectives import CollectiveFaults
 from shardproof.relations.diagnose.finding import Finding
+from shardproof.relations.diagnose.indices import IndexAxes
 from shardproof.relations.diagnose.lookups import MaskedLookups
 from shardproof.relations.diagnose.merges import MergeWeights
 from shardproof.relations.diagnose.misplaced import MisplacedTerms
 from shardproof.relations.diagnose.missing_reduction import MissingReductions
 from shardproof.relations.diagnose.overlap import OverlappingShards
 from shardproof.relations.diagnose.reads import CollectiveOperands
-from shardproof.relations.diagnose.shards import RankChunks
+from shardproof.relations.diagnose.shards import RankChunks, cutting
 from shardproof.relations.diagnose.swapped import SwappedOperands
 from shardproof.relations.diagnose.wrong_layout import LayoutFaults
 from shardproof.relations.diagnose.wrong_scale import ScaleFaults
@@ -33,7 +34,7 @@ from shardproof.report.terms import describe, line_of, placement, value_name
 
 class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOperands, OverlappingShards, MaskedLookups,
                 LayoutFaults, RankChunks, TopCandidates, MergeWeights, SwappedOperands,
-                MisplacedTerms):
+                MisplacedTerms, IndexAxes):
     def __init__(self, run: Execution, reference: Graph, ranks: list[Graph], claims: bool = True):
         """`claims`: the outputs diagnosed are the case's claims, not a call's outputs compared as
         if whole, which a rank may rightly hold as a scaled share (a region of a reference term)."""
@@ -124,6 +125,7 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
                 or self._too_few_candidates(rank, chain)
                 or self._misweighted_merge(rank, chain)
                 or self._swapped_operands(rank, chain)
+                or self._index_along_other_dim(rank, chain)
             )
             if found is not None:
                 return found
@@ -275,7 +277,35 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
                            sites, scale=factor,
                            fix=f"scale by {want} (the whole) instead of {scaling[1]} (a share) at {line_of(scaling[0])}")
         return (self._wrong_axis_finding(rank, node) or self._misplaced_positions(rank, [node])
-                or self._unwritten_output(rank, node) or self._overlapping_gather(rank, [node]) or self._unexplained(rank, node))
+                or self._unwritten_output(rank, node) or self._overlapping_gather(rank, [node]) or self._cut_elsewhere(rank, node)
+                or self._unexplained(rank, node))
+
+    def _cut_elsewhere(self, rank: int, node: Node) -> Finding | None:
+        """An output computed from a shard the loader or `shard_input` cut at another chunk than
+        its rank's own (on this rank, or on one whose values a collective brought here), where no
+        op diverges by itself: the rows are right for the chunk taken, the chunk is wrong."""
+        wrong = self._wrong_cut(rank, node) or self._output_cut(rank, node)
+        if wrong is None:
+            return None
+        owner, cut = wrong
+        return Finding(
+            "discrepancy",
+            "wrong layout",
+            f"wrong layout: {cutting(self.ranks[owner], cut, owner)}, and the ranks' {value_name(node)} is computed "
+            "from that chunk",
+            [(owner, cut), (rank, node)],
+            fix=f"make rank {owner} take its own chunk at {line_of(cut)}",
+        )
+
+    def _output_cut(self, rank: int, node: Node) -> tuple[int, Node] | None:
+        """(rank, slice): the loader's cut of another chunk than its own that another rank's same
+        output is computed from (ranks whose programs differ in their ops: routed experts)."""
+        index = self.ranks[rank].outputs.index(node.id) if node.id in self.ranks[rank].outputs else None
+        for graph in self.ranks if index is not None else ():
+            cut = None if graph.rank == rank else self._loader_slice(graph.rank, graph[graph.outputs[index]], unnatural=True)
+            if cut is not None:
+                return graph.rank, cut
+        return None
 
     # --- finding the line that introduced something ---------------------------------------------------
     def _lin_args(self, t: int) -> tuple[int, ...]:
