@@ -167,34 +167,3 @@ def test_a_fused_weights_block_cut_at_another_ranks_chunk_is_found_at_the_loader
     assert "gate" in said
     _check(case(False), world_size, None)
 
-
-class Squash(nn.Module):
-    """A nonlinear op on each row of the input: row-sharded, the rows need no collective."""
-
-    def __init__(self):
-        super().__init__()
-        self.scale = nn.Parameter(torch.randn(4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(x * self.scale)
-
-
-def _squash(chunk) -> Case:
-    return Case(Squash, lambda r, n: Squash(), lambda: (torch.randn(8, 4),), output=("shard", 0),
-                shard_input=lambda i, full, r, n: full.chunk(n, 0)[chunk(r, n)])  # BUG unless chunk(r, n) == r
-
-
-def test_rows_computed_from_another_ranks_chunk_of_the_input_are_found_at_the_cut() -> None:
-    """No op diverges by itself (each computes the right rows of what it was given): the output
-    names the cut of the input that is not the rank's own."""
-    report, numbers = verify(_squash(lambda r, n: 0), world_size=2), run_numeric(_squash(lambda r, n: 0), 2)
-    assert not numbers.agree
-    assert report.verdict == "discrepancy" and report.kind == "wrong layout", report.diagnosis
-    assert "rank 1 cuts its shard of `inputs()[0]` at [0:4)" in report.diagnosis
-    culprit = report.distributed[0]
-    assert Path(culprit.file).name == Path(__file__).name and "# BUG" in culprit.code, report.distributed
-
-
-def test_rows_computed_from_each_ranks_own_chunk_are_proven() -> None:
-    report, numbers = verify(_squash(lambda r, n: r), world_size=2), run_numeric(_squash(lambda r, n: r), 2)
-    assert report.verdict == "equivalent" and numbers.agree, report.diagnosis

@@ -21,7 +21,7 @@ from shardproof.relations.diagnose.misplaced import MisplacedTerms
 from shardproof.relations.diagnose.missing_reduction import MissingReductions
 from shardproof.relations.diagnose.overlap import OverlappingShards
 from shardproof.relations.diagnose.reads import CollectiveOperands
-from shardproof.relations.diagnose.shards import RankChunks, cutting
+from shardproof.relations.diagnose.shards import RankChunks
 from shardproof.relations.diagnose.swapped import SwappedOperands
 from shardproof.relations.diagnose.wrong_layout import LayoutFaults
 from shardproof.relations.diagnose.wrong_scale import ScaleFaults
@@ -277,35 +277,8 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
                            sites, scale=factor,
                            fix=f"scale by {want} (the whole) instead of {scaling[1]} (a share) at {line_of(scaling[0])}")
         return (self._wrong_axis_finding(rank, node) or self._misplaced_positions(rank, [node])
-                or self._unwritten_output(rank, node) or self._overlapping_gather(rank, [node]) or self._cut_elsewhere(rank, node)
+                or self._unwritten_output(rank, node) or self._overlapping_gather(rank, [node])
                 or self._unexplained(rank, node))
-
-    def _cut_elsewhere(self, rank: int, node: Node) -> Finding | None:
-        """An output computed from a shard the loader or `shard_input` cut at another chunk than
-        its rank's own (on this rank, or on one whose values a collective brought here), where no
-        op diverges by itself: the rows are right for the chunk taken, the chunk is wrong."""
-        wrong = self._wrong_cut(rank, node) or self._output_cut(rank, node)
-        if wrong is None:
-            return None
-        owner, cut = wrong
-        return Finding(
-            "discrepancy",
-            "wrong layout",
-            f"wrong layout: {cutting(self.ranks[owner], cut, owner)}, and the ranks' {value_name(node)} is computed "
-            "from that chunk",
-            [(owner, cut), (rank, node)],
-            fix=f"make rank {owner} take its own chunk at {line_of(cut)}",
-        )
-
-    def _output_cut(self, rank: int, node: Node) -> tuple[int, Node] | None:
-        """(rank, slice): the loader's cut of another chunk than its own that another rank's same
-        output is computed from (ranks whose programs differ in their ops: routed experts)."""
-        index = self.ranks[rank].outputs.index(node.id) if node.id in self.ranks[rank].outputs else None
-        for graph in self.ranks if index is not None else ():
-            cut = None if graph.rank == rank else self._loader_slice(graph.rank, graph[graph.outputs[index]], unnatural=True)
-            if cut is not None:
-                return graph.rank, cut
-        return None
 
     # --- finding the line that introduced something ---------------------------------------------------
     def _lin_args(self, t: int) -> tuple[int, ...]:
