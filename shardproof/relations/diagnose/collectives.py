@@ -21,9 +21,7 @@ class CollectiveFaults:
         narrow = self._wrong_group(rank, node) or self._wrong_reduce_op(rank, node)
         if narrow is not None:
             return narrow
-        t = self.run.ranks[rank][node.id]
-        term = self.r.u[t]
-        parts = list(zip(term.args, term.attrs[0])) if term.op == "lin" else [(t, Fraction(1))]
+        parts = self._lin_parts(self.run.ranks[rank][node.id])
         pieces = [(a, c) for a, c in parts if self.r.u[a].op == "piece"]
         if pieces:
             return self._uneven_pieces(rank, node, pieces)

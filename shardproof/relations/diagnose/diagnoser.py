@@ -242,11 +242,9 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
 
     def _at_output(self, rank: int, node: Node) -> Finding:
         t = self.run.ranks[rank][node.id]
-        term = self.r.u[t]
         if self.partial(t):
             return self._unreduced_output(rank, node)
-        parts = list(zip(term.args, term.attrs[0])) if term.op == "lin" else [(t, Fraction(1))]
-        miscounted = self._miscounted(parts)
+        miscounted = self._miscounted(self._lin_parts(t))
         if miscounted is not None:
             extra, have, want = miscounted
             culprit = self._earliest(rank, node, lambda x: self._carrying(x, extra, have)) \
@@ -284,6 +282,11 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
     def _lin_args(self, t: int) -> tuple[int, ...]:
         term = self.r.u[t]
         return term.args if term.op == "lin" else ()
+
+    def _lin_parts(self, t: int) -> list[tuple[int, Fraction]]:
+        """The (term, coefficient) pairs of the sum `t`; a term that is no sum is its one part."""
+        term = self.r.u[t]
+        return list(zip(term.args, term.attrs[0])) if term.op == "lin" else [(t, Fraction(1))]
 
     def _introducing(self, rank: int, node: Node, test) -> Node:
         """The earliest ancestor of `node` on this rank whose value passes `test`, else `node`."""

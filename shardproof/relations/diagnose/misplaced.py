@@ -9,8 +9,6 @@ combined agreeing values, so no op diverges by itself; the outputs name the faul
 
 from __future__ import annotations
 
-from fractions import Fraction
-
 from shardproof.ir.graph import Node
 from shardproof.relations.diagnose.finding import Finding
 from shardproof.report.terms import describe, line_of, region, value_name
@@ -22,7 +20,7 @@ class MisplacedTerms:
         same coefficient and shape, both regions of reference values: the rank's is the wrong one."""
         if wanted is None:
             return None
-        have, want = _parts(self.r, self.run.ranks[rank][node.id]), _parts(self.r, wanted)
+        have, want = dict(self._lin_parts(self.run.ranks[rank][node.id])), dict(self._lin_parts(wanted))
         extra = [(t, c) for t, c in have.items() if want.get(t) != c]
         missing = [(t, c) for t, c in want.items() if have.get(t) != c]
         if len(extra) != 1 or len(missing) != 1 or len(have) < 2:
@@ -49,14 +47,14 @@ class MisplacedTerms:
         copy): the sum over ranks of their parts is missing."""
         if wanted is None:
             return None
-        want = _parts(self.r, wanted)
-        have = _parts(self.r, self.run.ranks[rank][node.id])
+        want = dict(self._lin_parts(wanted))
+        have = dict(self._lin_parts(self.run.ranks[rank][node.id]))
         if len(want) < 2 or any(want.get(t) != c for t, c in have.items()) or len(have) == len(want):
             return None
         elsewhere: dict[int, set[int]] = {}  # rank -> the terms of the sum its outputs made of some of them hold
         for graph in self.ranks:
             for output in graph.outputs if graph.rank != rank else ():
-                theirs = _parts(self.r, self.run.ranks[graph.rank][output])
+                theirs = dict(self._lin_parts(self.run.ranks[graph.rank][output]))
                 if theirs != want and all(want.get(t) == c for t, c in theirs.items()):
                     elsewhere.setdefault(graph.rank, set()).update(theirs)
         held = set().union(*elsewhere.values())
@@ -74,8 +72,3 @@ class MisplacedTerms:
             [(rank, culprit), (rank, node)],
             fix=f"sum {value_name(culprit)} over ranks {sorted({rank, *elsewhere})} (an all-reduce) before it is used",
         )
-
-
-def _parts(r, t: int) -> dict[int, Fraction]:
-    term = r.u[t]
-    return dict(zip(term.args, term.attrs[0])) if term.op == "lin" else {t: Fraction(1)}

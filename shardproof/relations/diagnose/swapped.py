@@ -20,6 +20,7 @@ from shardproof.ir.graph import Node
 from shardproof.ir.ops import OPS, waits_for_peers
 from shardproof.relations.diagnose.agreement import LAYOUT_OPS
 from shardproof.relations.diagnose.finding import Finding
+from shardproof.relations.diagnose.wrong_scale import factor_of
 from shardproof.relations.execute import term_of
 from shardproof.report.terms import describe, line_of, value_name
 
@@ -99,9 +100,9 @@ class SwappedOperands:
             if n.op != "mul" or node.id not in n.inputs or len(n.inputs) != 2:
                 continue
             other = n.inputs[1] if n.inputs[0] == node.id else n.inputs[0]
-            value = self.r.full_value(terms[other])
-            if isinstance(value, (int, float, Fraction)) and not isinstance(value, bool) and value != 0:
-                return n, Fraction(value).limit_denominator(1 << 20)
+            factor = factor_of(self.r.full_value(terms[other]))
+            if factor is not None:
+                return n, factor
         return None
 
     def _negated_operand(self, rank: int, node: Node) -> Finding | None:

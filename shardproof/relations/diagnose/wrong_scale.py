@@ -12,6 +12,7 @@ from shardproof.ir.ops import OPS
 from shardproof.relations.diagnose.agreement import LAYOUT_OPS, LAYOUT_TERMS
 from shardproof.relations.diagnose.finding import Finding
 from shardproof.relations.rules import Rules
+from shardproof.relations.rules.values import is_finite_number
 from shardproof.report.terms import describe, line_of, value_name
 
 
@@ -105,10 +106,10 @@ class ScaleFaults:
                 values = [self.r.full_value(terms[i]) for i in node.inputs]
                 if len(values) != 2 or (values[0] is None) == (values[1] is None) or node.op == "div" and values[1] is None:
                     return None  # no constant factor (or nothing but constants)
-                constant = values[1] if values[1] is not None else values[0]
-                if not _number(constant):
+                factor = factor_of(values[1] if values[1] is not None else values[0])
+                if factor is None:
                     return None
-                return node, Fraction(constant).limit_denominator(1 << 20) ** (-1 if node.op == "div" else 1)
+                return node, factor ** (-1 if node.op == "div" else 1)
             node = graph[node.inputs[0]]
         return None
 
@@ -191,8 +192,10 @@ class ScaleFaults:
         )
 
 
-def _number(value: object) -> bool:
-    return isinstance(value, (int, float, Fraction)) and not isinstance(value, bool) and value != 0
+def factor_of(value: object) -> Fraction | None:
+    """A constant operand of a product as the factor it scales by (a float read as the fraction it
+    rounds), or None for no number or zero."""
+    return Fraction(value).limit_denominator(1 << 20) if is_finite_number(value) and value != 0 else None
 
 
 def _weights(r: Rules, t: int) -> dict[Any, Fraction]:
