@@ -623,3 +623,14 @@ def test_a_broadcast_key_flattened_into_heads_and_back_is_the_broadcast():
     for y in (flat, back):
         b.check(y)
     assert b.op_of(flat) == "repeat" and back.term == heads.term
+
+
+def test_a_batched_products_matrix_dim_of_one_dropped_is_a_view_of_the_product():
+    """einsum("te,ted->td") is a bmm of (t, 1, e) rows by (t, e, d), viewed (t, d): the batch kept,
+    only the matrix dim of one dropped, a view of the product (it once rebuilt the same product and
+    viewed it again without end)."""
+    b = Build()
+    x, w = b.leaf("x", (4, 3, 5)), b.leaf("w", (4, 5, 1))
+    y = b.view(b.op("matmul", x, w), (4, 3))
+    b.check(y)
+    assert b.op_of(y) == "view" and b.u[y.term].args[0] == b.op("matmul", x, w).term

@@ -96,7 +96,7 @@ class ViewRules:
             if regrouped is not None:
                 return regrouped
         batch = _batch_regrouped(term.shape, shape) if term.op == "matmul" and len(term.shape) > 2 else None
-        if batch is not None:
+        if batch is not None and batch != term.shape[:-2]:  # the same batch: the ones only dropped
             # the batch regrouped and size-1 dims put among the matrix dims (einsum unflattens its
             # bmm's batch with a one for each dim it contracted): the regrouped product, the ones added after
             regrouped = self._view_matmul_batch(x, batch + term.shape[-2:])
