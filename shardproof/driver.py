@@ -21,7 +21,7 @@ from shardproof.partition.structure import structural
 from shardproof.programs import Captured, NumericResult
 from shardproof.prove import Proof, prove
 from shardproof.report.model import Report, Site
-from shardproof.report.rank_flow import rank_choice
+from shardproof.report.rank_flow import chosen_on, rank_choice
 
 
 @dataclass
@@ -118,12 +118,15 @@ def _report(proof: Proof, candidate: Candidate, seconds: float) -> Report:
 
 def _sites(node: Node, rank: int) -> list[Site]:
     """A distributed op's site, after the line that chose the rank its offsets stand for when that
-    is another: a rank's neighbour or group picked wrongly is fixed there."""
+    is another: a rank's neighbour or group picked wrongly is fixed there. Not when the op's line
+    picks a neighbour of that rank itself (`chunk(tp)[(tp_rank + 1) % world_size]` after
+    `tp_rank = rank % tp`): the symbolic rank remembers only the first regrouping."""
     chosen = node.loc.rank_chosen if node.loc else None
     own = _site(node, rank)
     if chosen is None:
         return [own]
-    return [Site(chosen.file, chosen.line, chosen.code, f"rank for {own.op}", rank, node.name), own]
+    earlier = Site(chosen.file, chosen.line, chosen.code, f"rank for {own.op}", rank, node.name)
+    return [own, earlier] if chosen_on(own.file, own.line) is not None else [earlier, own]
 
 
 def _rank_choice_first(sites: list[Site], entries: frozenset[tuple[str, int]]) -> list[Site]:
@@ -139,7 +142,8 @@ def _rank_choice_first(sites: list[Site], entries: frozenset[tuple[str, int]]) -
             return sites
         if choice is not None:
             named = Site(site.file, choice.line, choice.code,
-                         f"`{choice.name}` = `{choice.value}`, {choice.what}, for {site.op}", site.rank, site.node)
+                         f"{f'`{choice.name}` = ' if choice.name else ''}`{choice.value}`, {choice.what}, for {site.op}",
+                         site.rank, site.node)
             return _unique([named, *sites])
     return sites
 

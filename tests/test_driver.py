@@ -1,7 +1,8 @@
 """The driver's sites: a rank chosen wrongly (a neighbour's, taken as a remainder of the rank) is
 named first at the line that chose it, before the op whose offset it makes, also when a list
 index pinned it to an int; a rank lost (a constant passed for it) at the line that passes the
-constant. The buggy programs disagree
+constant; a neighbour picked on the line that uses it there, not where the rank was first
+regrouped. The buggy programs disagree
 numerically and are found there; the fixed twin is proven and agrees."""
 
 from __future__ import annotations
@@ -61,9 +62,14 @@ def shard_state(state: dict, rank: int, world_size: int) -> dict:
     return {"weight": state["weight"][rank * rows : (rank + 1) * rows]}
 
 
-def case(distributed, world_size: int) -> Case:
+def neighbours_state(state: dict, rank: int, world_size: int) -> dict:
+    group_rank = rank % world_size  # regrouped first, rightly
+    return {"weight": state["weight"].chunk(world_size)[(group_rank + 1) % world_size]}  # BUG: a neighbour's rows
+
+
+def case(distributed, world_size: int, shard=shard_state) -> Case:
     return Case(lambda: nn.Embedding(VOCAB, HIDDEN), distributed, lambda: (torch.randint(0, VOCAB, (TOKENS,)),),
-                world_size, shard_state)
+                world_size, shard)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -77,3 +83,14 @@ def test_a_rank_chosen_wrongly_is_named_at_the_line_that_chose_it(wrong, world_s
     assert Path(first.file).name == Path(__file__).name and "# BUG" in first.code, report.distributed
     fixed = case(own, world_size)
     assert verify(fixed, world_size=world_size).verdict == "equivalent" and run_numeric(fixed, world_size).agree
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_neighbour_picked_on_the_line_using_it_is_named_there(world_size: int) -> None:
+    """The symbolic rank remembers where it was first regrouped (`rank % world_size`); the
+    neighbour is picked later, on the line that cuts the rows."""
+    buggy = case(own, world_size, neighbours_state)
+    assert not run_numeric(buggy, world_size).agree
+    report = verify(buggy, world_size=world_size)
+    assert report.verdict == "discrepancy", report.diagnosis
+    assert "# BUG" in report.distributed[0].code, report.distributed

@@ -8,9 +8,12 @@ it (`RankExpr.origin`), but a constant leaves no trace in it, nor does a rank pi
 (`range(rank * n, ...)`, a list index), so this reads the source (`ast`, the op's file): from the
 names the op's line uses back through their assignments in the function, `self.x` through its
 assignments in the class, parameters through the calls that pass them, and into the calls of this
-file whose results they are (a helper called with `0` for its `rank`), to the nearest binding of a
-rank's name (`rank`, `tp_rank`; not `per_rank`, a count; not `root_rank`) to a number (`0`,
-`0 % tp`: see `constant_for_rank`) or a remainder or quotient of a rank.
+file whose results they are (a helper called with `0` for its `rank`; the `return`s of a helper or
+method), to the nearest binding of a rank's name (`rank`, `tp_rank`; not `per_rank`, a count; not
+`root_rank`) to a number (`0`, `0 % tp`: see `constant_for_rank`) or a remainder or quotient of a
+rank; or of any name to an offset computed with a number or a neighbour's rank where the rank goes
+(`range(0 * n, (rank + 1) * n)`, `((rank + 1) % world_size) * rows`: see `_stand_in`). The op's
+own line is read first: a neighbour picked there is picked there.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ NUMBER, REGROUPED = "a number, not the rank", "a remainder or quotient of the ra
 _LIMIT = 400  # names followed at most: a line's values reach back through a whole model otherwise
 
 Scope = Union[ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda]
-Slot = tuple  # ("var", scope, name) or ("attr", class, name)
+Slot = tuple  # ("var", scope, name), ("attr", class, name) or ("return", function, "name()")
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,17 @@ def rank_choice(file: str, line: int, entries: frozenset[tuple[str, int]] = froz
     except OSError:
         return None
     return _choice(file, stamp, line, frozenset(first for where, first in entries if where == file))
+
+
+def chosen_on(file: str, line: int) -> RankChoice | None:
+    """A rank chosen on `line` itself, in its arithmetic: a number or a neighbour's rank where a rank
+    goes (`0 * rows`, `chunk(tp)[(tp_rank + 1) % world_size]`, see `_stand_in`)."""
+    try:
+        status = os.stat(file)
+    except OSError:
+        return None
+    source = _parsed(file, (status.st_mtime_ns, status.st_size))
+    return None if source is None else source.on_line(line)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -97,6 +111,17 @@ def regroups_rank(value: ast.AST) -> bool:
                for n in ast.walk(value))
 
 
+def _zero(value: ast.AST) -> bool:
+    return isinstance(value, ast.Constant) and type(value.value) is int and value.value == 0
+
+
+def _neighbour(value: ast.AST) -> bool:
+    """`(rank + 1) % world_size`, `(rank - 1) % n`: a rank a constant step away, wrapped around."""
+    return isinstance(value, ast.BinOp) and isinstance(value.op, ast.Mod) and isinstance(value.left, ast.BinOp) \
+        and isinstance(value.left.op, (ast.Add, ast.Sub)) and _names_rank(value.left.left) \
+        and isinstance(value.left.right, ast.Constant)
+
+
 def _names_rank(value: ast.AST) -> bool:
     return any(isinstance(n, ast.Name) and holds_rank(n.id) or isinstance(n, ast.Attribute) and holds_rank(n.attr)
                for n in ast.walk(value))
@@ -129,21 +154,57 @@ class _Source:
                 and isinstance(n.ctx, ast.Load)]
         slots: deque[Slot] = deque(dict.fromkeys(s for s in map(self._slots_used, read) if s is not None))
         seen: set[Slot] = set(slots)
-        regrouped: RankChoice | None = None  # the nearest; a number further back is the likelier fault
+        regrouped = self.on_line(line)  # the nearest; a number further back is the likelier fault
+        if regrouped is not None and regrouped.what == NUMBER:
+            return regrouped
         while slots and len(seen) < _LIMIT:
             slot = slots.popleft()
             for at, value, scope in self._bindings(slot, reached):
                 what = _chosen(slot[2], value)
-                found = self._choice_at(at, slot[2], value, what) if what is not None else self._rank_passed(value)
+                found = self._choice_at(at, slot[2], value, what) if what is not None else \
+                    self._rank_passed(value) or self._stand_in(slot[2], value)
                 if found is not None and found.what == NUMBER:
                     return found
                 regrouped = regrouped or found
-                for node in ast.walk(value):
-                    used = self._slots_used(node, scope) if isinstance(node, (ast.Name, ast.Attribute)) else None
-                    if used is not None and used not in seen:
+                for used in self._slots_read(value, scope):
+                    if used not in seen:
                         seen.add(used)
                         slots.append(used)
         return regrouped
+
+    def _slots_read(self, value: ast.expr, scope: Scope) -> Iterator[Slot]:
+        """The slots an expression reads: its names, `self.x`, and what the functions of this file
+        it calls return (`q_heads, kv_heads = local_heads(...)`, `q, k, v = self.split_qkv(qkv)`)."""
+        for node in ast.walk(value):
+            if isinstance(node, (ast.Name, ast.Attribute)):
+                used = self._slots_used(node, scope)
+                if used is not None:
+                    yield used
+            elif isinstance(node, ast.Call):
+                yield from (("return", f, f"{f.name}()") for f in self.functions if self._calls(node, f))
+
+    def on_line(self, line: int) -> RankChoice | None:
+        """See `chosen_on`: the outermost expressions of `line`'s statements, searched as `_stand_in` does."""
+        roots = [n for n in ast.walk(self.tree) if isinstance(n, ast.expr) and n.lineno == line
+                 and not (isinstance(self.parent.get(n), ast.expr) and self.parent[n].lineno == line)]
+        for root in roots:
+            if any(_neighbour(node) for node in ast.walk(root)):
+                return self._choice_at(line, "", root, REGROUPED)
+            found = self._stand_in("", root)
+            if found is not None:
+                return found
+        return None
+
+    def _stand_in(self, name: str, value: ast.expr) -> RankChoice | None:
+        """Where a rank is used in arithmetic (an offset, a range's bounds: `rank * rows`), a number
+        in its place (`0 * rows`, `(0 + 1) * rows`: arithmetic on the number 0, which nobody writes
+        for its own sake) or a neighbour's rank (`((rank + 1) % world_size) * rows`, unnamed)."""
+        for node in ast.walk(value):
+            if isinstance(node, ast.BinOp) and not isinstance(node.op, (ast.Mod, ast.FloorDiv)):
+                for side in (node.left, node.right):
+                    if _zero(side) or _neighbour(side):
+                        return self._choice_at(node.lineno, name, value, NUMBER if _zero(side) else REGROUPED)
+        return None
 
     def _slots_used(self, node: ast.AST, scope: Scope | None = None) -> Slot | None:
         """The slot a loaded name (`x`) or attribute of the method's instance (`self.x`) reads."""
@@ -158,6 +219,11 @@ class _Source:
     def _bindings(self, slot: Slot, reached: set[ast.AST] | None) -> Iterator[tuple[int, ast.expr, Scope]]:
         """(line, value, the scope the value's names are read in) of every binding of `slot`."""
         kind, where, name = slot
+        if kind == "return":
+            for node in _own_nodes(where):
+                if isinstance(node, ast.Return) and node.value is not None:
+                    yield node.lineno, node.value, where
+            return
         if kind == "attr":
             for method in where.body:
                 if isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)) and _self_name(method):

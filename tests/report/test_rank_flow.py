@@ -1,6 +1,7 @@
 """rank_flow: from an op's line back to the line that gave a name holding a rank a number or a
-regrouped rank (the line to fix), through assignments, `self.x`, the calls that pass parameters
-and the calls whose results the values are; a number before a nearer regrouping; none in a
+regrouped rank (the line to fix), or an offset computed with a number or a neighbour's rank in the
+rank's place, through assignments, `self.x`, the calls that pass parameters and the calls whose
+results (their `return`s) the values are; a number before a nearer regrouping; none in a
 program that passes the rank along, or a name, a call, a field or an element that may be one, or
 loops over ranks; only the calls the distributed side's functions make count."""
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from shardproof.report.rank_flow import NUMBER, REGROUPED, rank_choice
+from shardproof.report.rank_flow import NUMBER, REGROUPED, chosen_on, rank_choice
 
 PROGRAMS = {
     "a constructor given 0": """
@@ -90,6 +91,41 @@ PROGRAMS = {
             rows = local_rows(0, world_size)  # LOST
             return {"w": state["w"][rows.start : rows.stop]}  # USE
     """,
+    "a number in a helper's offsets, its result used": """
+        def local_rows(rank, world_size):
+            per = 8 // world_size
+            rows = range(0 * per, (rank + 1) * per)  # LOST
+            return rows
+
+        def shard_state(state, rank, world_size):
+            rows = local_rows(rank, world_size)
+            return {"w": state["w"][rows.start : rows.stop]}  # USE
+    """,
+    "a constructor given 0, read through a method's result": """
+        class Attention:
+            def __init__(self, tp_rank=0):
+                self.tp_rank = tp_rank
+
+            def split(self, qkv):
+                q = qkv.chunk(2)[self.tp_rank]
+                return q
+
+            def forward(self, x):
+                q = self.split(x)
+                return q @ q.T  # USE
+
+        def distributed(rank, world_size):
+            return Attention(tp_rank=0)  # LOST
+    """,
+    "a neighbour's rank in an offset": """
+        class Shard:
+            def __init__(self, rank, world_size):
+                self.rows = 8 // world_size
+                self.start = ((rank + 1) % world_size) * self.rows  # LOST
+
+            def forward(self, x):
+                return x[self.start : self.start + self.rows]  # USE
+    """,
 }
 
 FINE = {
@@ -99,6 +135,20 @@ FINE = {
     "a helper called with the rank": PROGRAMS["a helper called with 0, its result used"].replace("(0,", "(rank,"),
     "a neighbour's rank, by name": PROGRAMS["a constructor given 0"].replace(
         "return Shard(0, world_size)", "peer = (rank + 1) % world_size\n            return Shard(peer, world_size)"),
+    "a helper's offsets from the rank": PROGRAMS["a number in a helper's offsets, its result used"].replace("0 * per", "rank * per"),
+    "a method's result from the rank passed": PROGRAMS["a constructor given 0, read through a method's result"].replace(
+        "tp_rank=0)", "tp_rank=rank)"),
+    "a neighbour's rank, by name, in an offset": PROGRAMS["a neighbour's rank in an offset"].replace(
+        "self.start = ((rank + 1) % world_size) * self.rows",
+        "peer = (rank + 1) % world_size\n                self.start = peer * self.rows"),
+    "a group's first expert": """
+        class Experts:
+            def __init__(self, rank, ep):
+                self.first = rank % ep * (8 // ep)
+
+            def forward(self, x):
+                return x[self.first : self.first + 8 // self.ep]  # USE
+    """,
     "a loop over ranks": """
         def cut(x, rank, world_size):
             return x[rank::world_size]  # USE
@@ -152,7 +202,7 @@ def test_no_line_lost_a_rank_where_one_is_passed_or_may_be(tmp_path: Path, name:
     assert rank_choice(path, marks["USE"]) is None
 
 
-WHATS = {"a neighbour's rank passed as the own": REGROUPED}
+WHATS = {"a neighbour's rank passed as the own": REGROUPED, "a neighbour's rank in an offset": REGROUPED}
 
 
 @pytest.mark.parametrize("name", PROGRAMS)
@@ -183,3 +233,17 @@ def test_an_edited_file_is_read_again(tmp_path: Path) -> None:
 
 def test_a_file_that_cannot_be_read_names_no_line(tmp_path: Path) -> None:
     assert rank_choice(str(tmp_path / "gone.py"), 3) is None
+
+
+def test_a_neighbour_chosen_on_the_line_itself_is_its_choice(tmp_path: Path) -> None:
+    """`chunk(tp)[(tp_rank + 1) % world_size]` after `tp_rank = rank % tp`: the neighbour is picked on
+    the use's line, not where the rank was first regrouped."""
+    path, marks = _lines(tmp_path, """
+        def shard_state(state, rank, world_size):
+            tp_rank = rank % 2
+            return {"w": state["w"].chunk(2)[(tp_rank + 1) % world_size]}  # USE
+    """)
+    assert chosen_on(path, marks["USE"]) is not None
+    choice = rank_choice(path, marks["USE"])
+    assert choice is not None and choice.line == marks["USE"] and choice.what == REGROUPED, choice
+    assert chosen_on(path, marks["USE"] - 1) is None  # a group's rank, not a neighbour's
