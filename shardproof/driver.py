@@ -138,10 +138,10 @@ def _rank_choice_first(sites: list[Site], entries: frozenset[tuple[str, int]]) -
         return sites
     for site in sites:
         choice = rank_choice(site.file, site.line, entries)
-        if choice is not None and (site.file, choice.line) == (sites[0].file, sites[0].line):
+        if choice is not None and (choice.file, choice.line) == (sites[0].file, sites[0].line):
             return sites
         if choice is not None:
-            named = Site(site.file, choice.line, choice.code,
+            named = Site(choice.file, choice.line, choice.code,
                          f"{f'`{choice.name}` = ' if choice.name else ''}`{choice.value}`, {choice.what}, for {site.op}",
                          site.rank, site.node)
             return _unique([named, *sites])

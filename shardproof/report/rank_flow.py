@@ -5,9 +5,10 @@ a fault in them shows where the offset is used, but is fixed where the rank was 
 passing `0` for a `rank` parameter, `self.rank = 0`, `tp_rank = 0 % tp`, a neighbour's rank
 `(rank + 1) % world_size` passed as the own one. The symbolic rank remembers the lines that regroup
 it (`RankExpr.origin`), but a constant leaves no trace in it, nor does a rank pinned to an int
-(`range(rank * n, ...)`, a list index), so this reads the source (`ast`, the op's file): from the
-names the op's line uses back through their assignments in the function, `self.x` through its
-assignments in the class, parameters through the calls that pass them, and into the calls of this
+(`range(rank * n, ...)`, a list index), so this reads the source (`ast`): from the names the op's
+line uses back through their assignments in the function, `self.x` through its assignments in the
+class, parameters through the calls that pass them (in the op's file, and in the files the
+distributed side starts in: a library's class constructed by the case), and into the calls of the
 file whose results they are (a helper called with `0` for its `rank`; the `return`s of a helper or
 method), to the nearest binding of a rank's name (`rank`, `tp_rank`; not `per_rank`, a count; not
 `root_rank`) to a number (`0`, `0 % tp`: see `constant_for_rank`) or a remainder or quotient of a
@@ -34,13 +35,15 @@ NUMBER, REGROUPED = "a number, not the rank", "a remainder or quotient of the ra
 _LIMIT = 400  # names followed at most: a line's values reach back through a whole model otherwise
 
 Scope = Union[ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda]
-Slot = tuple  # ("var", scope, name), ("attr", class, name) or ("return", function, "name()")
+Slot = tuple  # (source, "var", scope, name), (source, "attr", class, name) or (source, "return", function, "name()")
+Scopes = dict  # _Source -> the scopes whose calls pass parameters (None: all of the file's)
 
 
 @dataclass(frozen=True)
 class RankChoice:
     """The line where `name`, which holds a rank, is given `value`: `what` it is (no rank, the rank regrouped)."""
 
+    file: str
     line: int
     code: str
     name: str
@@ -52,30 +55,44 @@ def rank_choice(file: str, line: int, entries: frozenset[tuple[str, int]] = froz
     """The nearest binding, among those the values of `line` come from, of a rank's name to a number
     or a regrouped rank; None when there is none or the file cannot be read. `entries`: where the
     distributed side's own functions start (file, first line): of the calls passing a parameter,
-    only those they make count in their file (not the reference's `Model(rank=0, world_size=1)`)."""
+    only those they make count in their file (not the reference's `Model(rank=0, world_size=1)`),
+    and those they make in theirs, when it is another (a class of a library module constructed with
+    `0` for its rank by the case)."""
+    stamps = {where: _stamp(where) for where in {file, *(where for where, _ in entries)}}
+    if stamps[file] is None:
+        return None
+    return _choice(file, line, tuple(sorted(stamps.items())), entries)
+
+
+def _stamp(file: str) -> tuple[int, int] | None:
+    """When a file was last changed: one edited under `shardproof serve` is read again."""
     try:
         status = os.stat(file)
-        stamp = (status.st_mtime_ns, status.st_size)  # a file edited under `shardproof serve` is read again
     except OSError:
         return None
-    return _choice(file, stamp, line, frozenset(first for where, first in entries if where == file))
+    return status.st_mtime_ns, status.st_size
 
 
 def chosen_on(file: str, line: int) -> RankChoice | None:
     """A rank chosen on `line` itself, in its arithmetic: a number or a neighbour's rank where a rank
     goes (`0 * rows`, `chunk(tp)[(tp_rank + 1) % world_size]`, see `_stand_in`)."""
-    try:
-        status = os.stat(file)
-    except OSError:
-        return None
-    source = _parsed(file, (status.st_mtime_ns, status.st_size))
+    stamp = _stamp(file)
+    source = None if stamp is None else _parsed(file, stamp)
     return None if source is None else source.on_line(line)
 
 
 @functools.lru_cache(maxsize=1024)
-def _choice(file: str, stamp: tuple[int, int], line: int, entries: frozenset[int]) -> RankChoice | None:
-    source = _parsed(file, stamp)
-    return None if source is None else source.choice(line, source.reached(entries))
+def _choice(file: str, line: int, stamps: tuple[tuple[str, tuple[int, int] | None], ...],
+            entries: frozenset[tuple[str, int]]) -> RankChoice | None:
+    sources = {where: _parsed(where, stamp) for where, stamp in stamps if stamp is not None}
+    source = sources.get(file)
+    if source is None:
+        return None
+    scopes: Scopes = {source: source.reached(frozenset(first for where, first in entries if where == file))}
+    for where, other in sources.items():
+        if other is not None and other is not source:
+            scopes[other] = other.reached(frozenset(first for at, first in entries if at == where)) or set()
+    return source.choice(line, scopes)
 
 
 @functools.lru_cache(maxsize=32)
@@ -83,7 +100,7 @@ def _parsed(file: str, stamp: tuple[int, int]) -> _Source | None:
     try:
         with open(file, encoding="utf-8") as handle:
             text = handle.read()
-        return _Source(text, ast.parse(text))
+        return _Source(file, text, ast.parse(text))
     except (OSError, SyntaxError, ValueError):
         return None
 
@@ -137,8 +154,8 @@ def _chosen(name: str, value: ast.AST) -> str | None:
 
 
 class _Source:
-    def __init__(self, text: str, tree: ast.Module):
-        self.text, self.tree = text, tree
+    def __init__(self, file: str, text: str, tree: ast.Module):
+        self.file, self.text, self.tree = file, text, tree
         self.lines = text.splitlines()
         self.parent: dict[ast.AST, ast.AST] = {}
         for node in ast.walk(tree):
@@ -148,8 +165,8 @@ class _Source:
         self.functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
 
     # --- the search ---------------------------------------------------------------------------
-    def choice(self, line: int, reached: set[ast.AST] | None) -> RankChoice | None:
-        """See `rank_choice`; `reached`: the scopes whose calls count (None: all)."""
+    def choice(self, line: int, scopes: Scopes) -> RankChoice | None:
+        """See `rank_choice`; `scopes`: the files whose calls count, with the scopes in each."""
         read = [n for n in ast.walk(self.tree) if isinstance(n, (ast.Name, ast.Attribute)) and n.lineno == line
                 and isinstance(n.ctx, ast.Load)]
         slots: deque[Slot] = deque(dict.fromkeys(s for s in map(self._slots_used, read) if s is not None))
@@ -159,14 +176,15 @@ class _Source:
             return regrouped
         while slots and len(seen) < _LIMIT:
             slot = slots.popleft()
-            for at, value, scope in self._bindings(slot, reached):
-                what = _chosen(slot[2], value)
-                found = self._choice_at(at, slot[2], value, what) if what is not None else \
-                    self._rank_passed(value) or self._stand_in(slot[2], value)
+            name = slot[3]
+            for source, at, value, scope in slot[0]._bindings(slot, scopes):
+                what = _chosen(name, value)
+                found = source._choice_at(at, name, value, what) if what is not None else \
+                    source._rank_passed(value) or source._stand_in(name, value)
                 if found is not None and found.what == NUMBER:
                     return found
                 regrouped = regrouped or found
-                for used in self._slots_read(value, scope):
+                for used in source._slots_read(value, scope):
                     if used not in seen:
                         seen.add(used)
                         slots.append(used)
@@ -181,7 +199,7 @@ class _Source:
                 if used is not None:
                     yield used
             elif isinstance(node, ast.Call):
-                yield from (("return", f, f"{f.name}()") for f in self.functions if self._calls(node, f))
+                yield from ((self, "return", f, f"{f.name}()") for f in self.functions if self._calls(node, f))
 
     def on_line(self, line: int) -> RankChoice | None:
         """See `chosen_on`: the outermost expressions of `line`'s statements, searched as `_stand_in` does."""
@@ -210,19 +228,19 @@ class _Source:
         """The slot a loaded name (`x`) or attribute of the method's instance (`self.x`) reads."""
         scope = scope or self._scope(node)
         if isinstance(node, ast.Name) and node.id != _self_name(scope):
-            return ("var", scope, node.id)
+            return (self, "var", scope, node.id)
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == _self_name(scope):
             owner = self._class(scope)
-            return ("attr", owner, node.attr) if owner is not None else None
+            return (self, "attr", owner, node.attr) if owner is not None else None
         return None
 
-    def _bindings(self, slot: Slot, reached: set[ast.AST] | None) -> Iterator[tuple[int, ast.expr, Scope]]:
-        """(line, value, the scope the value's names are read in) of every binding of `slot`."""
-        kind, where, name = slot
+    def _bindings(self, slot: Slot, scopes: Scopes) -> Iterator[tuple[_Source, int, ast.expr, Scope]]:
+        """(the file, line, value, the scope the value's names are read in) of every binding of `slot`."""
+        _, kind, where, name = slot
         if kind == "return":
             for node in _own_nodes(where):
                 if isinstance(node, ast.Return) and node.value is not None:
-                    yield node.lineno, node.value, where
+                    yield self, node.lineno, node.value, where
             return
         if kind == "attr":
             for method in where.body:
@@ -230,29 +248,31 @@ class _Source:
                     for target, value in _assignments(method):
                         if isinstance(target, ast.Attribute) and target.attr == name and isinstance(target.value, ast.Name) \
                                 and target.value.id == _self_name(method):
-                            yield target.lineno, value, method
+                            yield self, target.lineno, value, method
             return
         scope: Scope | None = where
         while scope is not None:
             if name in _parameters(scope):
-                yield from self._arguments(scope, name, reached)
+                yield from self._arguments(scope, name, scopes)
                 return
-            found = [(t.lineno, v, scope) for t, v in _assignments(scope) if isinstance(t, ast.Name) and t.id == name]
+            found = [(self, t.lineno, v, scope) for t, v in _assignments(scope) if isinstance(t, ast.Name) and t.id == name]
             if found:
                 yield from found
                 return
             scope = None if isinstance(scope, ast.Module) else self._scope(scope)
 
-    def _arguments(self, function: Scope, name: str, reached: set[ast.AST] | None) -> Iterator[tuple[int, ast.expr, Scope]]:
-        """What the calls of `function` (those in `reached` scopes) pass for its parameter `name`."""
+    def _arguments(self, function: Scope, name: str, scopes: Scopes) -> Iterator[tuple[_Source, int, ast.expr, Scope]]:
+        """What the calls of `function` pass for its parameter `name`: those of this file, and of
+        the other files the distributed side starts in (those in their `scopes`)."""
         if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
             return
-        for call in self.calls:
-            if reached is not None and self._scope(call) not in reached:
-                continue
-            value = self._passed(call, function).get(name) if self._calls(call, function) else None
-            if value is not None:
-                yield value.lineno, value, self._scope(call)
+        for source, reached in scopes.items():
+            for call in source.calls:
+                if reached is not None and source._scope(call) not in reached:
+                    continue
+                value = self._passed(call, function).get(name) if self._calls(call, function) else None
+                if value is not None:
+                    yield source, value.lineno, value, source._scope(call)
 
     def _passed(self, call: ast.Call, function: ast.FunctionDef | ast.AsyncFunctionDef) -> dict[str, ast.expr]:
         """The argument a call of `function` passes for each of its parameters (up to a `*args`)."""
@@ -279,7 +299,7 @@ class _Source:
         return None
 
     def _choice_at(self, line: int, name: str, value: ast.expr, what: str) -> RankChoice:
-        return RankChoice(line, self.lines[line - 1].strip(), name, ast.get_source_segment(self.text, value) or "", what)
+        return RankChoice(self.file, line, self.lines[line - 1].strip(), name, ast.get_source_segment(self.text, value) or "", what)
 
     def _calls(self, call: ast.Call, function: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
         """Whether `call` may call `function` (by its name; a class's by the class's, an autograd
@@ -287,8 +307,8 @@ class _Source:
         func, owner = call.func, self._class(function)
         if owner is None:
             return isinstance(func, ast.Name) and func.id == function.name
-        if function.name == "__init__":
-            return isinstance(func, ast.Name) and func.id == owner.name
+        if function.name == "__init__":  # `Shard(...)`, or `layers.Shard(...)` from another file
+            return isinstance(func, ast.Name) and func.id == owner.name or isinstance(func, ast.Attribute) and func.attr == owner.name
         if function.name == "forward" and isinstance(func, ast.Attribute) and func.attr == "apply":
             return isinstance(func.value, ast.Name) and func.value.id == owner.name
         return isinstance(func, ast.Attribute) and func.attr == function.name

@@ -3,7 +3,8 @@ regrouped rank (the line to fix), or an offset computed with a number or a neigh
 rank's place, through assignments, `self.x`, the calls that pass parameters and the calls whose
 results (their `return`s) the values are; a number before a nearer regrouping; none in a
 program that passes the rank along, or a name, a call, a field or an element that may be one, or
-loops over ranks; only the calls the distributed side's functions make count."""
+loops over ranks; only the calls the distributed side's functions make count, also in their file
+when the op's is another."""
 
 from __future__ import annotations
 
@@ -247,3 +248,26 @@ def test_a_neighbour_chosen_on_the_line_itself_is_its_choice(tmp_path: Path) -> 
     choice = rank_choice(path, marks["USE"])
     assert choice is not None and choice.line == marks["USE"] and choice.what == REGROUPED, choice
     assert chosen_on(path, marks["USE"] - 1) is None  # a group's rank, not a neighbour's
+
+
+@pytest.mark.parametrize("passed, lost", [("0", True), ("rank", False)])
+def test_a_constructor_in_another_file_given_0_by_the_case(tmp_path: Path, passed: str, lost: bool) -> None:
+    """The class in a library module, constructed by the case's distributed side: its call counts,
+    the reference's (`Shard(0, 1)`, outside the distributed side) does not."""
+    layers, marks = _lines(tmp_path, PROGRAMS["a constructor given 0"].split("def distributed")[0])
+    case = tmp_path / "case.py"
+    case.write_text(textwrap.dedent(f"""
+        from program import Shard
+
+        def reference():
+            return Shard(0, 1)
+
+        def distributed(rank, world_size):
+            return Shard({passed}, world_size)  # LOST
+    """))
+    entry = next(n for n, line in enumerate(case.read_text().splitlines(), 1) if "def distributed" in line)
+    choice = rank_choice(layers, marks["USE"], frozenset({(str(case), entry)}))
+    if lost:
+        assert choice is not None and (choice.file, choice.line) == (str(case), entry + 1) and choice.what == NUMBER
+    else:
+        assert choice is None, choice
