@@ -14,7 +14,7 @@ method), to the nearest binding of a rank's name (`rank`, `tp_rank`; not `per_ra
 `root_rank`) to a number (`0`, `0 % tp`: see `constant_for_rank`) or a remainder or quotient of a
 rank; or of any name to an offset computed with a number or a neighbour's rank where the rank goes
 (`range(0 * n, (rank + 1) * n)`, `((rank + 1) % world_size) * rows`: see `_stand_in`). The op's
-own line is read first: a neighbour picked there is picked there.
+own line is read first (a neighbour picked there is picked there), then the conditions it runs under.
 """
 
 from __future__ import annotations
@@ -128,6 +128,11 @@ def regroups_rank(value: ast.AST) -> bool:
                for n in ast.walk(value))
 
 
+def _leaves(branch: ast.If) -> bool:
+    """An `if` whose body leaves the block it is in (`continue`, `break`, `return`, `raise`)."""
+    return bool(branch.body) and isinstance(branch.body[-1], (ast.Continue, ast.Break, ast.Return, ast.Raise))
+
+
 def _zero(value: ast.AST) -> bool:
     return isinstance(value, ast.Constant) and type(value.value) is int and value.value == 0
 
@@ -171,7 +176,9 @@ class _Source:
                 and isinstance(n.ctx, ast.Load)]
         slots: deque[Slot] = deque(dict.fromkeys(s for s in map(self._slots_used, read) if s is not None))
         seen: set[Slot] = set(slots)
-        regrouped = self.on_line(line)  # the nearest; a number further back is the likelier fault
+        # the nearest; a number further back is the likelier fault
+        regrouped = self.on_line(line) or next(
+            (found for test in self._guards(line) for found in [self._rank_passed(test) or self._stand_in("", test)] if found), None)
         if regrouped is not None and regrouped.what == NUMBER:
             return regrouped
         while slots and len(seen) < _LIMIT:
@@ -212,6 +219,20 @@ class _Source:
             if found is not None:
                 return found
         return None
+
+    def _guards(self, line: int) -> Iterator[ast.expr]:
+        """The conditions `line` runs under, innermost first: the tests of the `if`s and `while`s it
+        is in, and of the `if`s before it in those blocks that leave them (`if not visible(source,
+        rank): continue`: a ring step that skips the block another rank's keys are in)."""
+        statement = next((n for n in ast.walk(self.tree) if isinstance(n, ast.stmt) and n.lineno == line), None)
+        at, parent = statement, self.parent.get(statement)
+        while at is not None and parent is not None and not isinstance(parent, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for block in (getattr(parent, field, None) for field in ("body", "orelse", "finalbody")):
+                if isinstance(block, list) and at in block:
+                    yield from (s.test for s in reversed(block[: block.index(at)]) if isinstance(s, ast.If) and _leaves(s))
+            if isinstance(parent, (ast.If, ast.While)):
+                yield parent.test
+            at, parent = parent, self.parent.get(parent)
 
     def _stand_in(self, name: str, value: ast.expr) -> RankChoice | None:
         """Where a rank is used in arithmetic (an offset, a range's bounds: `rank * rows`), a number

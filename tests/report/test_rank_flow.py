@@ -1,6 +1,6 @@
 """rank_flow: from an op's line back to the line that gave a name holding a rank a number or a
 regrouped rank (the line to fix), or an offset computed with a number or a neighbour's rank in the
-rank's place, through assignments, `self.x`, the calls that pass parameters and the calls whose
+rank's place, in the line's arithmetic or its conditions, through assignments, `self.x`, the calls that pass parameters and the calls whose
 results (their `return`s) the values are; a number before a nearer regrouping; none in a
 program that passes the rank along, or a name, a call, a field or an element that may be one, or
 loops over ranks; only the calls the distributed side's functions make count, also in their file
@@ -127,6 +127,18 @@ PROGRAMS = {
             def forward(self, x):
                 return x[self.start : self.start + self.rows]  # USE
     """,
+    "a neighbour's rank deciding whether the line runs": """
+        def visible(source, rank):
+            return source <= rank
+
+        def attend(blocks, rank, world_size):
+            out = blocks[0]
+            for step in range(1, world_size):
+                if not visible((rank - step) % world_size, (rank + 1) % world_size):  # LOST
+                    continue
+                out = out + blocks[step]  # USE
+            return out
+    """,
 }
 
 FINE = {
@@ -150,6 +162,8 @@ FINE = {
             def forward(self, x):
                 return x[self.first : self.first + 8 // self.ep]  # USE
     """,
+    "the rank deciding whether the line runs": PROGRAMS["a neighbour's rank deciding whether the line runs"].replace(
+        ", (rank + 1) % world_size)", ", rank)"),
     "a loop over ranks": """
         def cut(x, rank, world_size):
             return x[rank::world_size]  # USE
@@ -203,7 +217,8 @@ def test_no_line_lost_a_rank_where_one_is_passed_or_may_be(tmp_path: Path, name:
     assert rank_choice(path, marks["USE"]) is None
 
 
-WHATS = {"a neighbour's rank passed as the own": REGROUPED, "a neighbour's rank in an offset": REGROUPED}
+WHATS = {"a neighbour's rank passed as the own": REGROUPED, "a neighbour's rank in an offset": REGROUPED,
+         "a neighbour's rank deciding whether the line runs": REGROUPED}
 
 
 @pytest.mark.parametrize("name", PROGRAMS)
