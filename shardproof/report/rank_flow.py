@@ -176,9 +176,8 @@ class _Source:
                 and isinstance(n.ctx, ast.Load)]
         slots: deque[Slot] = deque(dict.fromkeys(s for s in map(self._slots_used, read) if s is not None))
         seen: set[Slot] = set(slots)
-        # the nearest; a number further back is the likelier fault
-        regrouped = self.on_line(line) or next(
-            (found for test in self._guards(line) for found in [self._rank_passed(test) or self._stand_in("", test)] if found), None)
+        guarded = (self._rank_passed(test) or self._stand_in("", test) for test in self._guards(line))
+        regrouped = self.on_line(line) or next(filter(None, guarded), None)  # a number further back is likelier
         if regrouped is not None and regrouped.what == NUMBER:
             return regrouped
         while slots and len(seen) < _LIMIT:
@@ -320,7 +319,8 @@ class _Source:
         return None
 
     def _choice_at(self, line: int, name: str, value: ast.expr, what: str) -> RankChoice:
-        return RankChoice(self.file, line, self.lines[line - 1].strip(), name, ast.get_source_segment(self.text, value) or "", what)
+        code = self.lines[line - 1].strip()
+        return RankChoice(self.file, line, code, name, ast.get_source_segment(self.text, value) or "", what)
 
     def _calls(self, call: ast.Call, function: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
         """Whether `call` may call `function` (by its name; a class's by the class's, an autograd

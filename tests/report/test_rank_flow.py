@@ -1,7 +1,7 @@
 """rank_flow: from an op's line back to the line that gave a name holding a rank a number or a
 regrouped rank (the line to fix), or an offset computed with a number or a neighbour's rank in the
-rank's place, in the line's arithmetic or its conditions, through assignments, `self.x`, the calls that pass parameters and the calls whose
-results (their `return`s) the values are; a number before a nearer regrouping; none in a
+rank's place, in the line itself, its conditions, and through assignments, `self.x`, the calls
+that pass parameters and the calls whose results (their `return`s) the values are; a number before a nearer regrouping; none in a
 program that passes the rank along, or a name, a call, a field or an element that may be one, or
 loops over ranks; only the calls the distributed side's functions make count, also in their file
 when the op's is another."""
