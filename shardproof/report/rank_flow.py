@@ -295,7 +295,8 @@ class _Source:
                     yield source, value.lineno, value, source._scope(call)
 
     def _passed(self, call: ast.Call, function: ast.FunctionDef | ast.AsyncFunctionDef) -> dict[str, ast.expr]:
-        """The argument a call of `function` passes for each of its parameters (up to a `*args`)."""
+        """The argument a call of `function` passes for each of its parameters (from a `*args` on,
+        the sequence starred: `causal_attention(*(split_heads(t) for t in (q, k, v)))`)."""
         params = [a.arg for a in [*function.args.posonlyargs, *function.args.args]]
         if _self_name(function) and self._class(function) is not None:
             params = params[1:]
@@ -303,6 +304,8 @@ class _Source:
             params = params[1:]  # an autograd Function's forward: ctx first
         starred = next((i for i, a in enumerate(call.args) if isinstance(a, ast.Starred)), len(call.args))
         passed = dict(zip(params, call.args[:starred]))
+        if starred < len(call.args):
+            passed.update((name, call.args[starred].value) for name in params[starred:])
         passed.update((k.arg, k.value) for k in call.keywords if k.arg is not None)
         return passed
 

@@ -139,6 +139,17 @@ PROGRAMS = {
                 out = out + blocks[step]  # USE
             return out
     """,
+    "a number in the offsets of arguments passed starred": """
+        def attend(q, k, v):
+            return q @ k.T + v  # USE
+
+        def heads(x, rank, world_size):
+            n = 4 // world_size
+            return x[:, 0 * n : (rank + 1) * n]  # LOST
+
+        def forward(x, rank, world_size):
+            return attend(*(heads(t, rank, world_size) for t in (x, x, x)))
+    """,
 }
 
 FINE = {
@@ -164,6 +175,8 @@ FINE = {
     """,
     "the rank deciding whether the line runs": PROGRAMS["a neighbour's rank deciding whether the line runs"].replace(
         ", (rank + 1) % world_size)", ", rank)"),
+    "arguments passed starred, cut by the rank": PROGRAMS["a number in the offsets of arguments passed starred"].replace(
+        "0 * n", "rank * n"),
     "a loop over ranks": """
         def cut(x, rank, world_size):
             return x[rank::world_size]  # USE
