@@ -133,8 +133,8 @@ def _rank_choice_first(sites: list[Site], entries: frozenset[tuple[str, int]]) -
     """The sites, after the line that gave a name holding a rank a number or a regrouped rank,
     found from the first of them that leads to one (a constant, or a rank pinned to an int, leaves
     no trace in the symbolic rank: rank_flow reads the source); unless the first site already
-    names the line that chose a rank."""
-    if not sites or sites[0].op.startswith("rank for "):
+    names the line that chose a rank, or picks one itself (see `chosen_on`)."""
+    if not sites or sites[0].op.startswith("rank for ") or chosen_on(sites[0].file, sites[0].line) is not None:
         return sites
     for site in sites:
         choice = rank_choice(site.file, site.line, entries)

@@ -14,7 +14,8 @@ method), to the nearest binding of a rank's name (`rank`, `tp_rank`; not `per_ra
 `root_rank`) to a number (`0`, `0 % tp`: see `constant_for_rank`) or a remainder or quotient of a
 rank; or of any name to an offset computed with a number or a neighbour's rank where the rank goes
 (`range(0 * n, (rank + 1) * n)`, `((rank + 1) % world_size) * rows`: see `_stand_in`). The op's
-own line is read first (a neighbour picked there is picked there), then the conditions it runs under.
+own line is read first (a number there), then the conditions it runs under; `chosen_on` tells the
+driver whether a line picks a rank itself.
 """
 
 from __future__ import annotations
@@ -176,8 +177,11 @@ class _Source:
                 and isinstance(n.ctx, ast.Load)]
         slots: deque[Slot] = deque(dict.fromkeys(s for s in map(self._slots_used, read) if s is not None))
         seen: set[Slot] = set(slots)
+        here = self.on_line(line)  # a neighbour picked here is no choice of a later site's: ring code picks them
+        if here is not None and here.what == NUMBER:
+            return here
         guarded = (self._rank_passed(test) or self._stand_in("", test) for test in self._guards(line))
-        regrouped = self.on_line(line) or next(filter(None, guarded), None)  # a number further back is likelier
+        regrouped = next(filter(None, guarded), None)  # the nearest; a number further back is likelier
         if regrouped is not None and regrouped.what == NUMBER:
             return regrouped
         while slots and len(seen) < _LIMIT:

@@ -264,18 +264,18 @@ def test_a_file_that_cannot_be_read_names_no_line(tmp_path: Path) -> None:
     assert rank_choice(str(tmp_path / "gone.py"), 3) is None
 
 
-def test_a_neighbour_chosen_on_the_line_itself_is_its_choice(tmp_path: Path) -> None:
+def test_a_line_picking_a_neighbour_or_a_number_itself_is_told(tmp_path: Path) -> None:
     """`chunk(tp)[(tp_rank + 1) % world_size]` after `tp_rank = rank % tp`: the neighbour is picked on
-    the use's line, not where the rank was first regrouped."""
+    the use's line, not where the rank was first regrouped; so is a number in an offset."""
     path, marks = _lines(tmp_path, """
         def shard_state(state, rank, world_size):
             tp_rank = rank % 2
+            w = state["w"][0 * 4 : (tp_rank + 1) * 4]  # LOST
             return {"w": state["w"].chunk(2)[(tp_rank + 1) % world_size]}  # USE
     """)
-    assert chosen_on(path, marks["USE"]) is not None
-    choice = rank_choice(path, marks["USE"])
-    assert choice is not None and choice.line == marks["USE"] and choice.what == REGROUPED, choice
-    assert chosen_on(path, marks["USE"] - 1) is None  # a group's rank, not a neighbour's
+    assert chosen_on(path, marks["USE"]).what == REGROUPED
+    assert chosen_on(path, marks["LOST"]).what == NUMBER
+    assert chosen_on(path, marks["LOST"] - 1) is None  # a group's rank, not a neighbour's
 
 
 @pytest.mark.parametrize("passed, lost", [("0", True), ("rank", False)])
