@@ -115,3 +115,49 @@ def test_a_number_divided_by_a_share_of_a_sum_is_swapped_operands(world_size: in
     said = _check(case(True), world_size, "swapped operands")
     assert f"divides `{COUNT}` by" in said
     _check(case(False), world_size, None)
+
+
+class Margin(nn.Module):
+    """A cross entropy's shape: log-sum-exp minus the first logit, weighed against the mean logit."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(HIDDEN, HIDDEN, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.proj(x)
+        return self.combine(torch.logsumexp(logits, -1), logits[:, 0], logits.mean(-1))
+
+    def combine(self, total: torch.Tensor, first: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+        return 0.75 * (total - first) - 0.25 * mean
+
+
+class DataParallelMargin(Margin):
+    def __init__(self, bug: str):
+        super().__init__()
+        self.bug = bug
+
+    def combine(self, total: torch.Tensor, first: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+        loss = first - total if self.bug == "swap" else total - first  # BUG when swap
+        return 0.75 * loss - (0.5 if self.bug == "scale" else 0.25) * mean  # BUG when scale
+
+
+def _margin(bug: str) -> Case:
+    return Case(Margin, lambda r, n: DataParallelMargin(bug), lambda: (torch.randn(8, HIDDEN),),
+                shard_input=lambda i, full, r, n: full.chunk(n, 0)[r], output=("shard", 0))
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_subtraction_the_other_way_round_before_only_sums_is_found_where_it_is_made(world_size: int) -> None:
+    """`first - total` for `total - first`, then only scaled and summed: no value disagrees before
+    the output, which has the reference's terms with the wrong signs; the subtraction swapped makes
+    it the reference's rows."""
+    said = _check(_margin("swap"), world_size, "wrong scale")
+    assert "`loss` at line" in said and "| swap the operands of the subtraction at line" in said
+    _check(_margin(""), world_size, None)
+
+
+def test_a_wrong_scale_no_swap_puts_right_stays_a_wrong_scale() -> None:
+    """Must not match: the subtraction is right and a coefficient is not; swapping it does not help."""
+    said = _check(_margin("scale"), 2, "wrong scale")
+    assert "swap the operands" not in said

@@ -13,6 +13,7 @@ from shardproof.ir.ops import OPS
 from shardproof.relations.diagnose.agreement import LAYOUT_OPS, grounded, unreduced
 from shardproof.relations.diagnose.candidates import TopCandidates
 from shardproof.relations.diagnose.collectives import CollectiveFaults
+from shardproof.relations.diagnose.dims import OtherDims
 from shardproof.relations.diagnose.finding import Finding
 from shardproof.relations.diagnose.indices import IndexAxes
 from shardproof.relations.diagnose.lookups import MaskedLookups
@@ -34,7 +35,7 @@ from shardproof.report.terms import describe, line_of, placement, value_name
 
 class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOperands, OverlappingShards, MaskedLookups,
                 LayoutFaults, RankChunks, TopCandidates, MergeWeights, SwappedOperands,
-                MisplacedTerms, IndexAxes):
+                MisplacedTerms, IndexAxes, OtherDims):
     def __init__(self, run: Execution, reference: Graph, ranks: list[Graph], claims: bool = True):
         """`claims`: the outputs diagnosed are the case's claims, not a call's outputs compared as
         if whole, which a rank may rightly hold as a scaled share (a region of a reference term)."""
@@ -123,6 +124,7 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
                 or self._mismatched_lookup_mask(rank, chain)
                 or self._misplaced_positions(rank, chain)
                 or self._too_few_candidates(rank, chain)
+                or self._along_other_dim(rank, chain)
                 or self._misweighted_merge(rank, chain)
                 or self._swapped_operands(rank, chain)
                 or self._index_along_other_dim(rank, chain)
@@ -247,6 +249,9 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
         miscounted = self._miscounted(self._lin_parts(t))
         if miscounted is not None:
             extra, have, want = miscounted
+            swapped = self._swapped_subtraction(rank, node, have / want)
+            if swapped is not None:
+                return swapped
             culprit = self._earliest(rank, node, lambda x: self._carrying(x, extra, have)) \
                 or self._introducing(rank, node, self._scaled)
             factor = have / want

@@ -15,8 +15,9 @@ Three shapes of the same mistake, as a trace records them:
 from __future__ import annotations
 
 from fractions import Fraction
+from typing import Iterator
 
-from shardproof.ir.graph import Node
+from shardproof.ir.graph import Graph, Node
 from shardproof.ir.ops import OPS, waits_for_peers
 from shardproof.relations.diagnose.agreement import LAYOUT_OPS
 from shardproof.relations.diagnose.finding import Finding
@@ -42,22 +43,26 @@ class SwappedOperands:
 
     def _agrees_after(self, rank: int, node: Node, twin: int) -> bool:
         """Whether `twin` in place of `node`'s value agrees, or makes an op after it agree whose
-        value does not: the rank's ops after `node` replayed on it, up to its next collective."""
+        value does not."""
+        terms = self.run.ranks[rank]
+        return self._agrees(twin) or any(
+            self._agrees(t) and not self._agrees(terms[n.id]) for n, t in self._replayed(rank, node, twin))
+
+    def _replayed(self, rank: int, node: Node, twin: int, until: int | None = None) -> Iterator[tuple[Node, int]]:
+        """The rank's ops after `node` (up to the op `until`) whose values change with `twin` in
+        place of `node`'s, with their replayed values, in program order: up to the first such op
+        that waits for peers (its value needs their replay too) or REPLAYED of them."""
         graph, terms = self.ranks[rank], self.run.ranks[rank]
-        if self._agrees(twin):
-            return True
         replayed, changed = list(terms), {node.id}
         replayed[node.id] = twin
-        for n in graph.nodes[node.id + 1:]:
-            if len(changed) > REPLAYED or waits_for_peers(n.op):
-                return False
+        for n in graph.nodes[node.id + 1:(len(graph.nodes) if until is None else until + 1)]:
             if not changed.intersection(n.inputs):
                 continue
+            if len(changed) > REPLAYED or waits_for_peers(n.op):
+                return
             replayed[n.id] = term_of(self.r, n, replayed, rank, {})
             changed.add(n.id)
-            if self._agrees(replayed[n.id]) and not self._agrees(terms[n.id]):
-                return True
-        return False
+            yield n, replayed[n.id]
 
     def _swapped_division(self, rank: int, node: Node) -> Finding | None:
         graph, terms = self.ranks[rank], self.run.ranks[rank]
@@ -131,3 +136,45 @@ class SwappedOperands:
             op=node.op,
             fix=f"swap the operands of the subtraction at {line_of(difference)}",
         )
+
+    def _swapped_subtraction(self, rank: int, output: Node, factor: Fraction) -> Finding | None:
+        """An output with the reference's terms but the wrong signs (`factor` times its value, as
+        `_miscounted` compares them), put right by swapping the operands of a subtraction of
+        agreeing values before it (`target - log(sum)` for `log(sum) - target`: where only sums and
+        scalings follow, no value disagrees before the output). The earliest subtraction whose
+        operands, swapped and replayed to the output, make it the value it must equal (the
+        reference's, or a region of it, where it names none) is where the signs went wrong."""
+        graph, terms = self.ranks[rank], self.run.ranks[rank]
+        wanted = next((w for (r, i), w in self._expected.items() if r == rank and graph.outputs[i] == output.id), None)
+        for node in graph.ancestors(output):
+            operands = _subtracted(graph, node)
+            if operands is None or not all(self._agrees(terms[n.id]) for n in operands):
+                continue
+            twin = self.r.lin([(terms[node.id], Fraction(-1))])
+            at_output = twin if node is output else next(
+                (t for n, t in self._replayed(rank, node, twin, output.id) if n.id == output.id), None)
+            if at_output is None or not (at_output == wanted if wanted is not None else self.region_of_reference(at_output)):
+                continue
+            first, second = (describe(self.r.u, terms[n.id], 2) for n in operands)
+            return Finding(
+                "discrepancy",
+                "wrong scale",
+                f"wrong scale (x{factor}): {factor} times the reference value: on rank {rank}, {value_name(node)} at "
+                f"{line_of(node)} subtracts `{second}` from `{first}`; the other way round, {value_name(output)} "
+                "equals the reference's",
+                [(rank, node), (rank, output)],
+                op=node.op,
+                scale=factor,
+                fix=f"swap the operands of the subtraction at {line_of(node)}",
+            )
+        return None
+
+
+def _subtracted(graph: Graph, node: Node) -> tuple[Node, Node] | None:
+    """(a, b) of a subtraction `a - b`, which a trace records as `a + (-b)`; None for another op."""
+    if node.op != "add" or len(node.inputs) != 2:
+        return None
+    a, b = (graph[i] for i in node.inputs)
+    if b.op != "neg" and a.op == "neg":
+        a, b = b, a
+    return (a, graph[b.inputs[0]]) if b.op == "neg" and a.op != "neg" else None
