@@ -9,6 +9,7 @@ relates every rank tensor to reference tensors without being told how they are l
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 import time
@@ -22,11 +23,13 @@ from torch._decomp import get_decompositions
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from shardproof.capture import custom_ops
 from shardproof.capture.dispatch_trace import NotPlain, Traced, chain, record
-from shardproof.capture.hints import hint
+from shardproof.capture.hints import hint, reads_a_value
+from shardproof.capture.segments import Densifier
 from shardproof.capture.locations import autograd_origins, every_user_frame, locator, library_frame, raised_by_shardproof, user_frame
 from shardproof.capture.meshes import RealDeviceMeshes, distinct_meshes, real_shard_offsets
 from shardproof.capture.symbolic_rank import group_used, symbolic_rank
@@ -241,12 +244,39 @@ def _trace_rank(session: _Session, rank: int, bound: list[torch.Tensor], memo: b
                 return _trace_program(session, rank, bound, memo, on_meta=True)
             except (ShardproofError, InternalError, NotPlain):
                 session.off_meta = True
-        return _trace_program(session, rank, bound, memo, on_meta=False)
+        try:
+            return _trace_program(session, rank, bound, memo, on_meta=False)
+        except CaptureError as err:
+            if not reads_a_value(err):
+                raise
+            try:
+                return _trace_reading_values(session, rank, bound)
+            except NoFixedShape as why:
+                raise CaptureError(f"{err}\n  {why}") from err
+            except Exception:  # noqa: BLE001 - read as values, it still stops: at the first read, as it was
+                raise err from None
+
+
+def _trace_reading_values(session: _Session, rank: int, bound: list[torch.Tensor]) -> tuple[Graph, Trained]:
+    """A rank's program that reads split sizes off its tensors (`.tolist()`), traced by make_fx
+    with the values read as unbacked sizes, then rewritten in fixed-shape form (`segments.py`),
+    which refuses at its line whatever it cannot rewrite. Its own fake mode, whose shape
+    environment makes the sizes (the leaves are made anew in it: only their shapes matter)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(), static_shapes=True)
+    with mode, torch._dynamo.config.patch(capture_scalar_outputs=True):
+        leaves = [_made_in_mode(t) for t in session.tensors]
+        anew = dataclasses.replace(session, tensors=leaves)
+        return _trace_program(anew, rank, [_made_in_mode(t) for t in bound], False, on_meta=False, reading_values=True)
+
+
+def _made_in_mode(tensor: torch.Tensor) -> torch.Tensor:
+    made = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype)
+    return made.requires_grad_(tensor.requires_grad)
 
 
 def _trace_program(
     session: _Session, rank: int, bound: list[torch.Tensor], memo: bool, on_meta: bool, symbol: RankExpr | None = None,
-    light_only: bool | None = None,
+    light_only: bool | None = None, reading_values: bool = False,
 ) -> tuple[Graph, Trained]:
     """A rank's program and what its run says about its parameters. `on_meta`: the model built on
     meta tensors and the program recorded by the light tracer alone (any failure raises);
@@ -278,7 +308,7 @@ def _trace_program(
 
         with _recorded_reduce_ops() as reduce_ops:
             return _trace(f"rank {rank}", run_loaded, session.tensors, session.names, reduce_ops, rank, held,
-                          program, load, light_only=light_only, on_meta=on_meta), Trained()
+                          program, load, light_only=light_only, on_meta=on_meta, reading_values=reading_values), Trained()
     runs: list[Trained] = []  # tracers keep tensors only: the rest of a run's result is kept here
 
     def run_rank(*args: torch.Tensor) -> list[torch.Tensor]:
@@ -289,7 +319,7 @@ def _trace_program(
     names = session.names + [f"{BOUND_LEAF_PREFIX}{i}" for i in program.bound]
     with _recorded_reduce_ops() as reduce_ops:
         traced = _trace(f"rank {rank}", run_rank, session.tensors + bound, names, reduce_ops, rank, held, program,
-                        light_only=light_only, on_meta=on_meta)
+                        light_only=light_only, on_meta=on_meta, reading_values=reading_values)
     return traced, runs[-1]
 
 
@@ -384,24 +414,50 @@ def _trace(
     loader: Callable | None = None,
     light_only: bool = False,
     on_meta: bool = True,
+    reading_values: bool = False,
 ) -> Graph:
     """Trace `fn` (after `loader`, which maps the leaves to `fn`'s arguments) into IR; with `model`,
     its repeated submodules' calls are traced once. A program (a training step too: autograd's
     backward runs on this thread, under the tracer's mode) is recorded whole by the light tracer
     where it handles plain tensors only; otherwise the loader is, where it can be, and make_fx
     traces the rest. `light_only`: no make_fx. `on_meta`: the light tracer may record on meta
-    tensors (see `dispatch_trace.record`)."""
+    tensors (see `dispatch_trace.record`). `reading_values`: make_fx alone, the values the program
+    reads traced as unbacked sizes and the graph rewritten in fixed-shape form (`segments.py`)."""
 
     def trace(restart: Callable[[], None]) -> Traced | fx.GraphModule:
         whole = fn if loader is None else _after(loader, fn)
+        if reading_values:
+            return _trace_fx(what, whole, leaves)
         gm = _recorded(what, whole, leaves, _give_up if light_only else restart, on_meta)
         return gm or _loaded_then_fx(what, fn, leaves, loader)
 
     def lower(gm: Traced | fx.GraphModule, names: list[str], ops: list[str]) -> Graph:
+        if reading_values:
+            Densifier(gm.graph, rank, _world_size(), _refusal(gm)).run()
         _drop_unread(gm.graph)
         return Lowerer(gm, names, locator(gm), ops, _group_ranks, rank).run()
 
     return trace_with_memo(model, reduce_ops, trace, leaf_names, lower, program.differentiates, _decompositions())
+
+
+def _world_size() -> int:
+    return dist.get_world_size()
+
+
+class NoFixedShape(CaptureError):
+    """The values read have no fixed-shape form (`segments.py`) at an op."""
+
+
+def _refusal(gm: fx.GraphModule) -> Callable[[fx.Node, str], NoFixedShape]:
+    """An error at a node's line, saying what the rewriting would need there."""
+    locate = locator(gm)
+
+    def refuse(node: fx.Node, needs: str) -> NoFixedShape:
+        where = locate(node)
+        at = f" at {where.file}:{where.line}  {where.code}" if where is not None else ""
+        return NoFixedShape(f"traced with the values read as sizes, `{node.target}`{at} has no fixed-shape form: it needs {needs}")
+
+    return refuse
 
 
 def _drop_unread(graph: fx.Graph) -> None:

@@ -1,6 +1,6 @@
-"""Split sizes read off the routing (`.tolist()`, torchtitan's EP dispatcher): not traced yet, so
-never proven. The case and its twin (tests/cases/unproven) are checked by the numeric oracle,
-ready for the day the trace reads such sizes symbolically."""
+"""Split sizes read off the routing (`.tolist()`, torchtitan's EP dispatcher): traced with the sizes
+unbacked and rewritten in fixed-shape form (`capture/segments.py`), but not proven yet, so never
+called equivalent. The case and its twin (tests/cases/unproven) are checked by the numeric oracle."""
 
 from __future__ import annotations
 
@@ -10,18 +10,15 @@ import pytest
 
 from shardproof import verify
 from shardproof.case import load_case
-from shardproof.errors import CaptureError
 from shardproof.oracle import run_numeric
 
 UNPROVEN = Path(__file__).parent.parent / "cases" / "unproven"
 
 
 @pytest.mark.parametrize("twin", ["fixed", "buggy"])
-def test_the_trace_stops_at_the_first_split_read_off_the_data(twin: str) -> None:
-    path = UNPROVEN / f"moe-a2a-tolist_{twin}.py"
-    first = next(n for n, line in enumerate(path.read_text().splitlines(), 1) if line.endswith(".tolist()"))
-    with pytest.raises(CaptureError, match=rf"{path.name}:{first} .*\.tolist\(\)"):
-        verify(path, world_size=2)
+def test_the_dispatcher_is_traced_but_not_proven_yet(twin: str) -> None:
+    report = verify(UNPROVEN / f"moe-a2a-tolist_{twin}.py", world_size=2)
+    assert report.verdict == "unknown", report
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])

@@ -12,9 +12,10 @@ result by its gate and adds it to the pair's token, undoing the sort. The buggy 
 token's k results as if they came back in token order: they come back sorted by expert.
 
 Reference: every expert applied densely to every token, weighted by its gate (zero where the
-token is not routed there). Not proven yet (see the README's "Known gaps"): tracing on fake
-tensors cannot read the counts, so the trace stops at the first `.tolist()`. The numeric oracle
-agrees at 1, 2 and 4 ranks; the twin disagrees there.
+token is not routed there). Not proven yet (see the README's "Known gaps"): the counts are traced
+as unbacked sizes and the exchange rewritten into fixed buffers (capture/segments.py), but no rule
+yet relates its masks to the reference's gate matrix. The numeric oracle agrees at 1, 2 and 4
+ranks; the twin disagrees there.
 """
 
 from __future__ import annotations
