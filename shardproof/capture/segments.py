@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 
 aten = torch.ops.aten
@@ -263,7 +264,8 @@ class Densifier:
                 return _cell(np.take(value, args[2], axis=args[1]))
             if target is aten._local_scalar_dense.default and value.ndim == 0:
                 return Size(value.item())
-            if target is c10d.all_to_all_single.default and value.ndim == 1 and _even(args[1]) and _even(args[2]):
+            if (target is c10d.all_to_all_single.default and value.ndim == 1 and _even(args[1]) and _even(args[2])
+                    and _whole_world(args[3])):
                 # peers' counts are labelled as this rank's: only a histogram as made (key e at e) is sent,
                 # which each peer's own rewriting checks of what it sends
                 if [c.cells for c in value] != [frozenset([(self.rank, e)]) for e in range(len(value))]:
@@ -292,6 +294,8 @@ class Densifier:
         """A variable all_to_all as the fixed one of every rank's buffers, segments masked by keys."""
         source, outputs, inputs, group = node.args
         value = self.known[source]
+        if not _whole_world(group):
+            raise self.refuse(node, f"an all_to_all over every rank; {WHAT_TO_DO}")
         sent, received = self._sizes(node, inputs), self._sizes(node, outputs)
         if isinstance(value, Sorted):
             mine = self._blocks(node, sent)[self.rank]
@@ -420,6 +424,14 @@ def _row_wise(node: fx.Node, rows: set[fx.Node]) -> bool:
         return False
     width = max(len(_shape(a)) for a in rows)
     return all(len(_shape(a)) < width or _shape(a)[0] == 1 for a in node.all_input_nodes if a not in rows)
+
+
+def _whole_world(group: Any) -> bool:
+    """The group (a c10d group name) holds every rank in order: its positions are the ranks."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    ranks = dist.get_process_group_ranks(_resolve_process_group(group)) if isinstance(group, str) else None
+    return ranks == list(range(dist.get_world_size()))
 
 
 def _static(value: torch.Tensor) -> bool:
