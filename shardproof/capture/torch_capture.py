@@ -433,15 +433,11 @@ def _trace(
 
     def lower(gm: Traced | fx.GraphModule, names: list[str], ops: list[str]) -> Graph:
         if reading_values:
-            Densifier(gm.graph, rank, _world_size(), _refusal(gm)).run()
+            Densifier(gm.graph, rank, dist.get_world_size(), _refusal(gm)).run()
         _drop_unread(gm.graph)
         return Lowerer(gm, names, locator(gm), ops, _group_ranks, rank).run()
 
     return trace_with_memo(model, reduce_ops, trace, leaf_names, lower, program.differentiates, _decompositions())
-
-
-def _world_size() -> int:
-    return dist.get_world_size()
 
 
 class NoFixedShape(CaptureError):
