@@ -133,6 +133,20 @@ def test_the_expert_parallel_examples_are_proven_in_training(name: str, world_si
     assert report.verdict == "equivalent", report.diagnosis
 
 
+@pytest.mark.parametrize(("world_size", "train"), [(2, True), (4, False), pytest.param(8, False, marks=pytest.mark.slow),
+                                                  pytest.param(4, True, marks=pytest.mark.slow),
+                                                  pytest.param(8, True, marks=pytest.mark.slow)])
+def test_the_expert_parallel_example_is_proven_with_its_experts_tensor_parallel(world_size: int, train: bool) -> None:
+    """examples/moe_ep.py's preset `small-etp`: an (ep, tp) grid, every expert's hidden split over a
+    TP group whose tokens are gathered first and reduce-scattered after; the router's gradient is a
+    share over the rank's tokens of a share over its block of the hidden, summed over the grid."""
+    case = load_case(EXAMPLES / "moe_ep.py")
+    case.use_preset("small-etp")
+    report = verify(case, world_size=world_size, train=train)
+    assert run_numeric(case, world_size, mode="train" if train else None).agree
+    assert report.verdict == "equivalent", report.diagnosis
+
+
 @pytest.mark.slow
 def test_ulysses_case_is_proven_at_eight_ranks() -> None:
     """Two heads and two tokens per rank (the fixed case runs at 1, 2, 4 above)."""

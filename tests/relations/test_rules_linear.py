@@ -207,3 +207,20 @@ def test_ranks_shares_of_several_sums_add_up_to_a_flat_sum(ranks):
     whole = b.add(b.op("sum", x, attrs=((0,), False)), b.op("mul", b.op("sum", y, attrs=((0,), False)), b.scalar(3.0, (3,))))
     expected = b.op("div", whole, b.scalar(float(ranks), (3,)))
     assert averaged.term == expected.term
+
+
+def test_shares_of_shares_add_up_over_a_two_d_grid():
+    """Rank (d, t) of a (data, tensor) grid holds, of a router's weight gradient g^T @ X, the share
+    over its token rows d of a g that is itself its share over the hidden block t: summed over the
+    whole grid in any order, the tensor shares meet once the data shares they sit in have."""
+    b = Build()
+    h, v, x = b.leaf("h", (4, 6)), b.leaf("v", (6, 3)), b.leaf("x", (4, 5))
+    rows, block = 2, 3
+
+    def share(d: int, t: int) -> V:
+        g = b.op("matmul", b.sl(h, 1, t * block, (t + 1) * block), b.sl(v, 0, t * block, (t + 1) * block))
+        return b.op("matmul", b.permute(b.sl(g, 0, d * rows, (d + 1) * rows), (1, 0)), b.sl(x, 0, d * rows, (d + 1) * rows))
+
+    summed = b.add(*(share(d, t) for d, t in [(0, 0), (1, 1), (0, 1), (1, 0)]))
+    b.check(summed)
+    assert summed.term == b.op("matmul", b.permute(b.op("matmul", h, v), (1, 0)), x).term

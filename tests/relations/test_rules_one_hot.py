@@ -151,3 +151,21 @@ def test_a_one_hot_of_some_rows_of_the_ids_is_those_rows_of_the_one_hot(values):
     b.check(written)
     whole = one_hot(b, ids, v if values == "rows" else b.scalar(1.0, (4, 3)), 5)
     assert b.is_slice_of(written, whole)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_scatter_of_ranks_shares_into_zeros_adds_up_to_the_scatter_of_the_sum(tp):
+    """Written into zeros, a TP rank's share of a product (its gates' gradient through the
+    router's top-k scatter) stays a share: the ranks' scatters add up to the whole's."""
+    b = Build()
+    x, w = b.leaf("x", (5, 8)), b.leaf("w", (8, 2))
+    ids = b.leaf("ids", (5, 2), value=torch.stack([torch.randperm(4, generator=b.gen)[:2] for _ in range(5)]))
+    block = 8 // tp
+
+    def scattered(lo: int, hi: int) -> V:
+        share = b.op("matmul", b.sl(x, 1, lo, hi), b.sl(w, 0, lo, hi))
+        return b.op("scatter", b.scalar(0.0, (5, 4)), ids, share, attrs=(1,))
+
+    summed = b.add(*(scattered(r * block, (r + 1) * block) for r in range(tp)))
+    b.check(summed)
+    assert summed.term == scattered(0, 8).term

@@ -107,20 +107,23 @@ class LinearRules:
         return t, c
 
     def _merge_pieces(self, coefs: dict[int, Fraction]) -> dict[int, Fraction]:
-        """Pieces of one sum whose ranges tile the whole axis add up to the sum itself."""
+        """Pieces of one sum whose ranges tile the whole axis add up to the sum itself; where that
+        sum is a piece of another (a TP rank's share of a data-parallel rank's share), again."""
         groups: dict[tuple, list[tuple[int, int, int]]] = {}
         for t, c in coefs.items():
             term = self.u[t]
             if term.op == "piece":
                 axis, lo, hi, size = term.attrs
                 groups.setdefault((term.args[0], axis, size, c), []).append((lo, hi, t))
+        nested = False
         for (full, axis, size, c), ranges in groups.items():
             for run in _adjacent_runs(ranges):
                 for _, _, t in run:
                     del coefs[t]
                 merged = self.piece(full, axis, run[0][0], run[-1][1], size)
                 coefs[merged] = coefs.get(merged, Fraction(0)) + c
-        return self._joint_piece(coefs)
+                nested = nested or self.u[merged].op == "piece"
+        return self._merge_pieces(coefs) if nested else self._joint_piece(coefs)
 
     def _joint_piece(self, coefs: dict[int, Fraction]) -> dict[int, Fraction]:
         """A sum of pieces of different sums, all over the same range of the same number of

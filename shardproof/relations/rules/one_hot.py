@@ -30,6 +30,9 @@ def scatter(r: Rules, op: str, args, attrs, shape, dtype) -> int:
         # into zeros, a write is linear in its values, whichever entries it writes: the scale moves
         # outside (a rank's gradient of its own mean, rescaled by an average over ranks later)
         return r.scale(r.build(op, (base, index, values.args[0]), attrs, shape, dtype), values.attrs[0][0])
+    if values.op == "piece" and r.full_value(base) == 0:  # and so a share of a sum stays one (each
+        # target takes the entry at the same position on every rank)
+        return r._map_linear(src, lambda t: r.build(op, (base, index, t), attrs, shape, dtype), shape)
     rows = of_blocks(r, args, shape, lambda wholes, blocks, cut, whole_shape: r.build(op, wholes, attrs, whole_shape, dtype)
                      if len(blocks) == 3 and cut != dim else None)  # each line across `dim` written from its own
     if rows is not None:
