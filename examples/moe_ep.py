@@ -17,6 +17,10 @@ routed), not the program's shape, so one proof covers every choice the router ca
 reduction: each expert lives on one rank); the router and the shared expert, copies on every rank,
 have their gradients summed over ranks.
 
+`--preset small-etp` puts expert tensor parallelism inside EP (`expert_tp` ranks per TP group, an
+(ep, tp) grid): each expert's hidden is split over the TP group, whose tokens are gathered before
+the layer and whose partial sums are reduce-scattered back after it.
+
 `--preset deepseek-v3` has one DeepSeek-V3 MoE layer's shapes (hidden 7168, 256 routed experts of
 2048, one shared, top-8, sigmoid gates) for bench/.
 """
