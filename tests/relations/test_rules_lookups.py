@@ -334,3 +334,24 @@ def test_a_where_keeping_a_broadcast_cat_or_zero_is_cut_where_the_cat_is():
     b.check(packed)
     assert b.op_of(whole) == b.op_of(packed) == "cat"
     assert [b.r.as_region(p)[0] for p in b.u[packed.term].args] == list(b.u[whole.term].args)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_gather_from_ranks_shares_joined_adds_up_to_the_gather_from_the_whole(tp):
+    """A TP rank's share of each routed gate's gradient (one column per expert, each a product over
+    the rank's block of the hidden, scaled or not), joined along the columns and read at each
+    token's chosen experts (the router's top-k gather): the ranks' reads add up to the read of
+    the whole columns."""
+    b = Build()
+    x, w = b.leaf("x", (6, 8)), b.leaf("w", (8, 3))
+    ids = b.leaf("ids", (6, 2), value=torch.stack([torch.randperm(3, generator=b.gen)[:2] for _ in range(6)]))
+    block = 8 // tp
+
+    def read(lo: int, hi: int) -> V:
+        parts = [b.op("matmul", b.sl(x, 1, lo, hi), b.sl(b.sl(w, 1, e, e + 1), 0, lo, hi)) for e in range(3)]
+        scaled = [b.op("mul", p, b.scalar(0.25, p.shape)) if e else p for e, p in enumerate(parts)]
+        return b.op("gather", b.cat(scaled, 1), ids, attrs=(1,))
+
+    summed = b.add(*(read(r * block, (r + 1) * block) for r in range(tp)))
+    b.check(summed)
+    assert summed.term == read(0, 8).term

@@ -492,22 +492,3 @@ def test_a_transposed_product_is_the_product_of_the_transposes() -> None:
     flash = b.op("matmul", b.permute(ds, (0, 2, 1)), q)
     b.check(autograd)
     assert autograd.term == flash.term
-
-
-@pytest.mark.parametrize("tp", [2, 4])
-def test_ranks_shares_of_columns_joined_add_up_to_the_columns_joined(tp):
-    """A TP rank's share of each routed gate's gradient (one column per expert, each a product
-    over the rank's block of the hidden), scaled or not, joined along the columns: the ranks'
-    joins, summed, are the join of the whole columns (the scale inside each, as the reference's)."""
-    b = Build()
-    x, w = b.leaf("x", (6, 8)), b.leaf("w", (8, 3))
-    block = 8 // tp
-
-    def columns(lo: int, hi: int, scale: float) -> V:
-        parts = [b.op("matmul", b.sl(x, 1, lo, hi), b.sl(b.sl(w, 1, e, e + 1), 0, lo, hi)) for e in range(3)]
-        return b.cat([b.op("mul", p, b.scalar(scale, p.shape)) if e else p for e, p in enumerate(parts)], 1)
-
-    summed = b.add(*(columns(r * block, (r + 1) * block, 0.25) for r in range(tp)))
-    b.check(summed)
-    assert summed.term == columns(0, 8, 0.25).term
-    assert b.op_of(columns(0, block, 0.25)) == "piece"

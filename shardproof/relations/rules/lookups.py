@@ -87,6 +87,7 @@ def gather(r: Rules, op: str, args, attrs, shape, dtype) -> int:
         # one rank's lookup into its shard of the table: kept whole, so the mask that zeroes the
         # entries other ranks own can make it a piece (see _masked_lookup)
         return r.literal(op, args, attrs, shape, dtype)
+    x = r.piece_of_cat(x) or x  # a join of shares, read as one
     term = r.u[x]
     if term.op in ("lin", "piece"):
         return r._map_linear(x, lambda t: r.build(op, (t, index), attrs, shape, dtype), shape)

@@ -134,25 +134,24 @@ class RegionRules:
             return parts[0]
         if len(merged) == 1:
             return merged[0]
-        of_pieces = self._cat_of_pieces(merged, dim)
-        if of_pieces is not None:
-            return of_pieces
         shape = list(self.shape(merged[0]))
         shape[dim] = sum(self.shape(p)[dim] for p in merged)
         return self.literal("cat", tuple(merged), (dim,), tuple(shape), self.u[merged[0]].dtype)
 
-    def _cat_of_pieces(self, parts: list[int], dim: int) -> int | None:
-        """Pieces over one range [lo, hi) of one number of indices, joined, are that range of their
-        sums joined: index k of the cat's sum is the k-th of every part's, so the ranks' pieces still
-        tile the whole (a TP rank's share of each routed gate's gradient, one column per expert). A
-        scaled piece is the piece of the scaled sum."""
-        scaled = [self.common_factor(p) for p in parts]
-        terms = [self.u[p] for p, _ in scaled]
-        if any(t.op != "piece" for t in terms) or len({t.attrs[1:] for t in terms}) != 1:
+    def piece_of_cat(self, t: int) -> int | None:
+        """A cat of shares over one range [lo, hi) of one number of indices (each maybe scaled) as
+        that range of the wholes joined: index k of the cat's sum is the k-th of every part's, so the
+        ranks' pieces still tile the whole (a TP rank's share of each routed gate's gradient, one
+        column per expert). Not the normal form, where sums of cats meet part by part
+        (`_lin_of_cats`): a linear op that maps through a piece asks for it (`lookups.gather`)."""
+        term = self.u[t]
+        scaled = [self.common_factor(p) for p in term.args] if term.op == "cat" else []
+        pieces = [self.u[p] for p, _ in scaled]
+        if not pieces or any(p.op != "piece" for p in pieces) or len({p.attrs[1:] for p in pieces}) != 1:
             return None
-        whole = self.cat([self.scale(t.args[0], c) for t, (_, c) in zip(terms, scaled)], dim)
-        axis = ("joint", tuple(sorted((t.attrs[0] for t in terms), key=repr)))
-        return self.piece(whole, axis, *terms[0].attrs[1:])
+        whole = self.cat([self.scale(p.args[0], c) for p, (_, c) in zip(pieces, scaled)], term.attrs[0])
+        axis = ("joint", tuple(sorted((p.attrs[0] for p in pieces), key=repr)))
+        return self.piece(whole, axis, *pieces[0].attrs[1:])
 
     def _join(self, a: int, b: int, dim: int) -> int | None:
         """Two adjacent regions of one tensor are one region (adjacent position ranges too)."""
