@@ -22,6 +22,7 @@ from shardproof.programs import Captured, NumericResult
 from shardproof.prove import Proof, prove
 from shardproof.report.model import Report, Site
 from shardproof.report.rank_flow import chosen_on, rank_choice
+from shardproof.report.role_flow import role_first
 
 
 @dataclass
@@ -110,6 +111,8 @@ def _report(proof: Proof, candidate: Candidate, seconds: float) -> Report:
         report.diagnosis = finding.message + (f"; note: {candidate.caveat}" if candidate.caveat else "")
         located = _located_first(_unique([s for rank, node in finding.distributed for s in _sites(node, rank)]))
         report.distributed = _rank_choice_first(located, candidate.entries)
+        if finding.kind == "unmatched message":
+            report.distributed = role_first(report.distributed, finding.distributed, captured.ranks, candidate.entries)
         report.reference = _located_first(_unique([_site(node, None) for node in finding.reference]))
         if finding.verdict == "unknown":
             report.unknown = {"op": finding.op or "", "reason": report.diagnosis}

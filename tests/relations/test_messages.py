@@ -167,3 +167,45 @@ def _runs_alike(case: Case, world_size: int) -> bool:
 
 def test_the_ring_with_its_wrap_around_is_equivalent(checked) -> None:
     assert checked(_case(_ring, 2), 2).verdict == "equivalent"
+
+
+def _neighbours(shard: torch.Tensor, rank: int, world_size: int, last_rank=lambda n: n - 1) -> list[torch.Tensor]:
+    """A chain of stages: each sends its shard on to the next and back to the previous one."""
+    first, last = rank == 0, rank == last_rank(world_size)
+    other = torch.empty_like(shard)
+    if not last:
+        dist.send(shard, dst=rank + 1)
+        dist.recv(other, src=rank + 1)
+    if not first:
+        dist.recv(other, src=rank - 1)
+        dist.send(shard, dst=rank - 1)
+    return [shard, other] if rank == 0 else [other, shard]
+
+
+def _no_rank_last(shard: torch.Tensor, rank: int, world_size: int) -> list[torch.Tensor]:
+    return _neighbours(shard, rank, world_size, last_rank=lambda n: n)
+
+
+def _two_ahead(shard: torch.Tensor, rank: int, world_size: int) -> list[torch.Tensor]:
+    """The stages' roles right, the peer two ranks on."""
+    other = torch.empty_like(shard)
+    if rank < world_size - 1:
+        dist.send(shard, dst=rank + 2)
+    return [shard, other]
+
+
+def test_a_stage_wrong_about_being_the_last_is_named_at_its_role_then_at_the_send(checked) -> None:
+    """report/role_flow.py: the neighbour's rank is right; the comparison that made rank 1 a stage
+    with a next one is the line to fix."""
+    assert checked(_case(_neighbours, 2), 2).verdict == "equivalent"
+    report = verify(_case(_no_rank_last, 2), world_size=2)
+    assert report.verdict == "discrepancy" and report.kind == "unmatched message", report.diagnosis
+    wanted = [_line(_neighbours, "first, last ="), _line(_neighbours, "dist.send(shard, dst=rank + 1)")]
+    assert [s.line for s in report.distributed[:2]] == wanted, report.distributed
+    assert not _runs_alike(_case(_no_rank_last, 2), 2)
+
+
+def test_a_send_to_no_neighbour_is_named_at_the_send() -> None:
+    report = verify(_case(_two_ahead, 2), world_size=2)
+    assert report.kind == "unmatched message" and report.distributed[0].line == _line(_two_ahead, "dst=rank + 2")
+    assert not _runs_alike(_case(_two_ahead, 2), 2)
