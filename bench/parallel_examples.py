@@ -50,6 +50,12 @@ def row(name: str, world_size: int, train: bool, timeout: float) -> list[str]:
             fmt(payload["peak_mib"], ".0f"), payload["memo"]]
 
 
+def _own_mode(name: str) -> str:
+    from shardproof.case import load_case
+
+    return load_case(EXAMPLES / name.partition(":")[0]).mode
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("examples", nargs="*", default=DEFAULT, help="file.py or file.py:preset, in examples/")
@@ -61,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     body = []
     for name in args.examples:
         for mode in args.modes.split(","):
+            if mode == "forward" and _own_mode(name) != "forward":
+                continue  # a case whose program is a training step has no forward of its own
             for world_size in args.world_sizes:
                 body.append(row(name, world_size, mode == "train", args.timeout))
                 print(" ".join(body[-1]), file=sys.stderr, flush=True)
