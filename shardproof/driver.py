@@ -21,7 +21,7 @@ from shardproof.partition.structure import structural
 from shardproof.programs import Captured, NumericResult
 from shardproof.prove import Proof, prove
 from shardproof.report.model import Report, Site
-from shardproof.report.rank_flow import chosen_on, rank_choice
+from shardproof.report.rank_flow import NUMBER, chosen_on, rank_choice
 from shardproof.report.role_flow import role_first
 
 
@@ -136,11 +136,15 @@ def _rank_choice_first(sites: list[Site], entries: frozenset[tuple[str, int]]) -
     """The sites, after the line that gave a name holding a rank a number or a regrouped rank,
     found from the first of them that leads to one (a constant, or a rank pinned to an int, leaves
     no trace in the symbolic rank: rank_flow reads the source); unless the first site already
-    names the line that chose a rank, or picks one itself (see `chosen_on`)."""
-    if not sites or sites[0].op.startswith("rank for ") or chosen_on(sites[0].file, sites[0].line) is not None:
+    names the line that chose a rank, or picks one itself (see `chosen_on`; a neighbour picked
+    there gives way only to a number further back, as in rank_flow)."""
+    here = chosen_on(sites[0].file, sites[0].line) if sites else None
+    if not sites or sites[0].op.startswith("rank for ") or here is not None and here.what == NUMBER:
         return sites
     for site in sites:
         choice = rank_choice(site.file, site.line, entries)
+        if choice is not None and here is not None and choice.what != NUMBER:
+            continue
         if choice is not None and (choice.file, choice.line) == (sites[0].file, sites[0].line):
             return sites
         if choice is not None:

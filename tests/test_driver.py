@@ -2,7 +2,7 @@
 named first at the line that chose it, before the op whose offset it makes, also when a list
 index pinned it to an int; a rank lost (a constant passed for it) at the line that passes the
 constant; a neighbour picked on the line that uses it there, not where the rank was first
-regrouped. The buggy programs disagree
+regrouped, unless a number was given for the rank further back. The buggy programs disagree
 numerically and are found there; the fixed twin is proven and agrees."""
 
 from __future__ import annotations
@@ -94,3 +94,13 @@ def test_a_neighbour_picked_on_the_line_using_it_is_named_there(world_size: int)
     report = verify(buggy, world_size=world_size)
     assert report.verdict == "discrepancy", report.diagnosis
     assert "# BUG" in report.distributed[0].code, report.distributed
+
+
+def test_a_number_further_back_comes_before_a_neighbour_picked_on_the_first_line() -> None:
+    """Rank 0's rows at every rank, then a neighbour's: the constant is named first (rank_flow's order)."""
+    buggy = case(constant, 2, neighbours_state)
+    assert not run_numeric(buggy, 2).agree
+    report = verify(buggy, world_size=2)
+    assert report.verdict == "discrepancy", report.diagnosis
+    first = report.distributed[0]
+    assert "Embedding(0, world_size)" in first.code and "a number" in first.op, report.distributed
