@@ -78,6 +78,27 @@ class GatheredLogits(nn.Module):
         return torch.cat(pieces, dim=-1)
 
 
+class GatheredActivations(GatheredLogits):
+    """The value to gather made in two steps, both of a rank's part's size: the all-gather was handed the last."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.head(x)  # unread too without the all_gather, but not what it was handed
+        local = torch.tanh(logits)  # BUG without the all_gather: nothing reads it
+        pieces = [torch.empty_like(local) for _ in range(self.world_size)]
+        if self.gather:
+            dist.all_gather(pieces, local)
+        return torch.cat(pieces, dim=-1)
+
+
+class TanhHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.head(x))
+
+
 class ScatteredMlp(Mlp):
     """Row parallel, the sum over ranks reduce-scattered along the tokens (sequence parallel)."""
 
@@ -180,6 +201,15 @@ def test_a_buffer_no_all_gather_filled_is_an_uninitialised_memory_read() -> None
     said = _check(case(False), 2, "uninitialised memory read")
     assert "`pieces`" in said and "allocated empty at line" in said and "nothing wrote" in said
     assert "`local` (line" in said and "never read" in said and "from `local`" in said
+    _check(case(True), 2, None)
+
+
+def test_a_buffer_no_all_gather_filled_is_found_at_the_last_value_made_before_it() -> None:
+    def case(gather: bool) -> Case:
+        return Case(TanhHead, lambda r, n: GatheredActivations(n, gather), _inputs, output="replicate")
+
+    said = _check(case(False), 2, "uninitialised memory read")
+    assert "`local` (line" in said and "never read" in said
     _check(case(True), 2, None)
 
 

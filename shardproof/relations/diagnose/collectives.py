@@ -76,6 +76,9 @@ class CollectiveFaults:
         size = self.r.u[pieces[0][0]].attrs[3]
         covered = ", ".join(f"[{lo}:{hi})" + (f" x{c}" if c != 1 else "") for lo, hi, c in ranges)
         overlapping = any(c != 1 for _, _, c in ranges) or any(a[1] > b[0] for a, b in zip(ranges, ranges[1:]))
+        upstream = None if overlapping else self._reduced_too_late(rank, node)
+        if upstream is not None:  # a gap the ranks outside the group fill: their shares' all-reduce is missing
+            return upstream
         group = node.attrs[-1]
         origin = self._piece_origin(rank, node)
         culprit = self._slice_source(node.id, ranges) or (rank, origin if origin is not None else node)
@@ -91,7 +94,8 @@ class CollectiveFaults:
 
     def _wrong_group(self, rank: int, node: Node) -> Finding | None:
         """A reducing collective whose sum stays partial over its group but adds up once the same
-        collective's inputs on the other ranks join: it reduces over too few ranks."""
+        collective's inputs on the other ranks join: it reduces over too few ranks (unless the
+        all-reduce the shares missed belongs upstream: upstream.py)."""
         if node.op not in ("all_reduce", "reduce_scatter"):
             return None
         k = [n.id for n in self.ranks[rank].nodes if n.op in ("all_reduce", "reduce_scatter")].index(node.id)
@@ -106,7 +110,7 @@ class CollectiveFaults:
         everyone = self.r.lin([(t, Fraction(1)) for t in inputs.values()])
         if not others or not self.partial(mine) or self.partial(everyone):
             return None
-        return Finding(
+        return self._reduced_too_late(rank, node) or Finding(
             "discrepancy",
             "wrong group",
             f"wrong group: `{node.op}` over ranks {group} adds up only part of a sum; ranks {others} hold the other "

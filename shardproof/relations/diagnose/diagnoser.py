@@ -24,6 +24,7 @@ from shardproof.relations.diagnose.overlap import OverlappingShards
 from shardproof.relations.diagnose.reads import CollectiveOperands
 from shardproof.relations.diagnose.shards import RankChunks
 from shardproof.relations.diagnose.swapped import SwappedOperands
+from shardproof.relations.diagnose.upstream import UpstreamReductions
 from shardproof.relations.diagnose.wrong_layout import LayoutFaults
 from shardproof.relations.diagnose.wrong_scale import ScaleFaults
 from shardproof.relations.execute import Execution
@@ -35,7 +36,7 @@ from shardproof.report.terms import describe, line_of, placement, value_name
 
 class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOperands, OverlappingShards, MaskedLookups,
                 LayoutFaults, RankChunks, TopCandidates, MergeWeights, SwappedOperands,
-                MisplacedTerms, IndexAxes, OtherDims):
+                MisplacedTerms, IndexAxes, OtherDims, UpstreamReductions):
     def __init__(self, run: Execution, reference: Graph, ranks: list[Graph], claims: bool = True):
         """`claims`: the outputs diagnosed are the case's claims, not a call's outputs compared as
         if whole, which a rank may rightly hold as a scaled share (a region of a reference term)."""

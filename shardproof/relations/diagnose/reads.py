@@ -21,10 +21,12 @@ REDUCE_OP_NAMES = {"sum": "SUM", "mean": "AVG", "max": "MAX", "min": "MIN", "pro
 
 
 def _unused_like(graph: Graph, buffers: list[Node], world_size: int) -> Node | None:
-    """The first value the program computes (in its own code) and never uses, of the dtype of one
-    of the buffers and as many elements as it or as one rank's part of it (an all-gather's input),
-    else as all ranks' parts (a reduce-scatter's): the value a deleted collective or copy would have
-    put there. Ops that only move data are passed over: the value is where it was computed."""
+    """The value the program computes (in its own code) and never uses, of the dtype of one of the
+    buffers and as many elements as it or as one rank's part of it (an all-gather's input), else
+    as all ranks' parts (a reduce-scatter's): the value a deleted collective or copy would have put
+    there. The last computed before the buffer is allocated (the value a helper was handed to
+    gather, a whole unread branch before it), else the first after. Ops that only move data are
+    passed over: the value is where it was computed."""
     live, todo = set(graph.outputs), list(graph.outputs)
     while todo:
         for i in graph[todo.pop()].inputs:
@@ -33,9 +35,13 @@ def _unused_like(graph: Graph, buffers: list[Node], world_size: int) -> Node | N
                 todo.append(i)
     unread = [n for n in graph.nodes if n.id not in live and n.loc is not None and n.op not in _NOT_COMPUTING]
 
+    allocated = min(b.id for b in buffers)
+
     def first_of(factors: tuple[Fraction, ...]) -> Node | None:
         wanted = {(math.prod(b.shape) * f, b.dtype) for b in buffers for f in factors}
-        return next((n for n in unread if (math.prod(n.shape), n.dtype) in wanted), None)
+        fitting = [n for n in unread if (math.prod(n.shape), n.dtype) in wanted]
+        before = [n for n in fitting if n.id < allocated]
+        return before[-1] if before else next(iter(fitting), None)
 
     return first_of((Fraction(1), Fraction(1, world_size))) or first_of((Fraction(world_size),))
 
