@@ -1117,6 +1117,8 @@ def _index(lo: Lowerer, x, indices) -> int:
         rows = _constant_rows(lo, lo.tensor(indices[-1]), shape[dim])
         if rows is not None:
             return _rows_joined(lo, value, dim, rows)
+    if len(indices) == 1 and isinstance(indices[0], fx.Node) and shape:
+        return _rows_at(lo, value, lo.tensor(indices[0]))
     if len(indices) != 2 or len(shape) < 2 or not all(isinstance(i, fx.Node) for i in indices):
         raise Declined
     rows, idx = (lo.tensor(i) for i in indices)
@@ -1131,6 +1133,21 @@ def _index(lo: Lowerer, x, indices) -> int:
     index = broadcast_to(lo, column, index_shape)
     gathered = lo.emit("gather", (table, index), (len(lead),), index_shape, lo.dtype(table))
     return lo.emit("view", (gathered,), (tuple(lo.current.meta["val"].shape),))
+
+
+def _rows_at(lo: Lowerer, x: int, ids: int) -> int:
+    """`x[ids]`, integer ids into x's leading dim: the embedding of x's rows flattened, so a stack of
+    expert weights read per routing slot is a lookup as a table's rows are (the laws of lookups
+    into a rank's range of rows apply). Bool masks select a data-dependent count: declined."""
+    if not lo.dtype(ids).startswith(("int", "uint")):
+        raise Declined
+    shape = lo.shape(x)
+    width = math.prod(shape[1:])
+    table = x if len(shape) == 2 else lo.emit("view", (x,), ((shape[0], width),), (shape[0], width), lo.dtype(x))
+    rows_shape = lo.shape(ids) + (width,)
+    rows = lo.emit("embedding", (table, ids), (), rows_shape, lo.dtype(x))
+    out_shape = lo.shape(ids) + shape[1:]
+    return rows if out_shape == rows_shape else lo.emit("view", (rows,), (out_shape,), out_shape, lo.dtype(x))
 
 
 def _is_arange(lo: Lowerer, value: int, n: int) -> bool:

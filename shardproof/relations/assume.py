@@ -13,6 +13,7 @@ from fractions import Fraction
 from typing import TYPE_CHECKING
 
 from shardproof.ir.ops import OPS
+from shardproof.relations.rules.topk import POSITIONS, TOPK
 
 if TYPE_CHECKING:
     from shardproof.relations.rules import Rules
@@ -33,7 +34,7 @@ def rebuild(r: Rules, t: int, replace: dict[int, int], known: dict[int, Interval
     for x in sorted(reachable):  # arguments have smaller ids than the terms built on them
         term = r.u[x]
         args = tuple(done[a] for a in term.args)
-        decided = _decided_bound(r, term.op, args, known) if term.op in ("maximum", "minimum") else None
+        decided = decided_bound(r, term.op, args, known) if term.op in ("maximum", "minimum") else None
         if decided is not None:
             done[x] = decided
         elif args == term.args:
@@ -65,6 +66,8 @@ def interval(r: Rules, t: int, known: dict[int, Interval]) -> Interval | None:
         return linear_bounds(term.attrs[0], [interval(r, a, known) for a in term.args])
     if term.op == "argmax":  # a position along the reduced dim
         return Fraction(0), Fraction(r.shape(term.args[0])[term.attrs[0][0]] - 1)
+    if term.op == TOPK and term.attrs[2] == POSITIONS:  # positions along the dim its top k is taken over
+        return Fraction(0), Fraction(r.shape(term.args[0])[term.attrs[0][2]] - 1)
     if term.op == "arg_piece":  # a position in [lo, hi)
         return Fraction(term.attrs[1]), Fraction(term.attrs[2] - 1)
     if term.op in ("maximum", "minimum", "cat"):
@@ -78,7 +81,7 @@ def interval(r: Rules, t: int, known: dict[int, Interval]) -> Interval | None:
     return None
 
 
-def _decided_bound(r: Rules, op: str, args: tuple[int, ...], known: dict[int, Interval]) -> int | None:
+def decided_bound(r: Rules, op: str, args: tuple[int, ...], known: dict[int, Interval]) -> int | None:
     """max(a, b) is a when a >= b everywhere (min: when a <= b), as the ranges show."""
     a, b = args
     ia, ib = interval(r, a, known), interval(r, b, known)

@@ -116,7 +116,7 @@ _BY_OP: dict[str, Callable[..., int]] = {
 _BY_KIND: dict[str, Callable[..., int]] = {
     "unary": elementwise.unary,
     "binary": elementwise.elementwise,
-    "compare": elementwise.elementwise,
+    "compare": masks.compare,
     "where": lookups.where,
     "layout": _layout,
     "reduce": reductions.reduce,

@@ -12,7 +12,7 @@ import torch
 
 from shardproof.ir.aten_ops import argument, overload
 from shardproof.ir.ops import run_op
-from shardproof.relations.assume import interval
+from shardproof.relations.assume import decided_bound, interval
 from shardproof.relations.layout import box_along, box_shape
 from shardproof.relations.rules.regions import cat_bounds
 
@@ -31,6 +31,9 @@ def elementwise(r: Rules, op: str, args: tuple[int, ...], attrs: tuple, shape: t
     folded = None if None in values else _folded(op, values, attrs)
     if folded is not None:
         return r.const(("full", folded), shape, dtype)
+    bound = decided_bound(r, op, args, {}) if op in ("maximum", "minimum") and len(args) == 2 else None
+    if bound is not None and r.shape(bound) == shape:  # a clamp the values' range never reaches
+        return bound
     for a in args:
         for root, box in r.regions(a):
             if root == a:

@@ -14,6 +14,7 @@ from shardproof.relations.layout import box_along
 from shardproof.relations.rules import masked_keys
 from shardproof.relations.rules.online_softmax import merged
 from shardproof.relations.rules.regions import cat_bounds
+from shardproof.relations.rules.slots import tiled_sum
 from shardproof.relations.rules.values import FLOAT_DTYPES, is_finite_number
 
 
@@ -75,6 +76,10 @@ class LinearRules:
         by_parts = merged(self, items) if by_parts is None else by_parts
         if by_parts is not None:
             return by_parts
+        if len(items) > 1 and len({c for _, c in items}) == 1 and len({self.u[t].op for t, _ in items}) == 1:
+            tiled = tiled_sum(self, [t for t, _ in items])  # ranks' masks of one value over blocks covering its ids
+            if tiled is not None:
+                return self.scale(tiled, items[0][1])
         first = self.u[items[0][0]]
         # a sum with a float term is a float (an integer constant added to floats is promoted), whatever comes first
         dtype = next((self.u[t].dtype for t, _ in items if self.u[t].dtype in FLOAT_DTYPES), first.dtype)

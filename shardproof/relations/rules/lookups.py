@@ -12,7 +12,8 @@ from shardproof.relations.assume import rebuild
 from shardproof.relations.layout import Box
 from shardproof.relations.rules.elementwise import elementwise
 from shardproof.relations.rules.flash_backward import vanishes
-from shardproof.relations.rules.masks import assuming, outside_range
+from shardproof.relations.rules.masks import assuming, is_shift_of, outside_range
+from shardproof.relations.rules.slots import whole_where
 from shardproof.relations.rules.topk import pick_of_top
 
 if TYPE_CHECKING:
@@ -51,6 +52,9 @@ def where(r: Rules, op: str, args, attrs, shape, dtype) -> int:
         masked = _masked_lookup(r, negated, when_false, when_true)
     if masked is not None:
         return masked
+    renumbered = whole_where(r, cond, when_true, when_false)
+    if renumbered is not None:  # a rank's lookups renumbered into its rows, read where the mask keeps them
+        return r.build(op, (cond, *renumbered), attrs, shape, dtype)
     for value, zero in ((when_true, when_false), (when_false, when_true)):
         if r.full_value(zero) != 0:
             continue
@@ -260,14 +264,6 @@ def _unshaped(r: Rules, t: int) -> int:
 def unbroadcast(r: Rules, t: int) -> int:
     term = r.u[t]
     return term.args[0] if term.op == "bcast" else t
-
-
-def is_shift_of(r: Rules, shifted: int, ids: int, lo: int, hi: int, assumed: dict[int, int]) -> bool:
-    """`shifted` is ids - lo wherever ids lies in [lo, hi) (with the terms of `assumed`, a mask
-    testing that, replaced by their values there); an index clamped to the shard counts."""
-    offset = r.literal("full", (), (-lo,), r.shape(ids), r.u[ids].dtype)
-    local = r.view(r.lin([(ids, Fraction(1)), (offset, Fraction(1))]), r.shape(shifted))
-    return rebuild(r, shifted, assumed, {ids: (Fraction(lo), Fraction(hi - 1))}) == local
 
 
 def _shifted_ids(r: Rules, index: int, lo: int) -> int | None:

@@ -5,8 +5,10 @@ for the lookup and one-hot rules.
 
 from __future__ import annotations
 
+from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
+from shardproof.relations.assume import interval, rebuild
 from shardproof.relations.rules.elementwise import elementwise
 
 if TYPE_CHECKING:
@@ -65,7 +67,8 @@ def _empty_range(r: Rules, args: tuple[int, ...]) -> bool:
 
 
 def outside_range(r: Rules, mask: int) -> tuple[int, int, int] | None:
-    """Recognize `ids < lo | ids >= hi` (in its usual spellings, perhaps reshaped) as (ids, lo, hi)."""
+    """Recognize `ids < lo | ids >= hi` (in its usual spellings, perhaps reshaped) as (ids, lo, hi);
+    one test of a bound is the range from the other bound of the ids' values."""
     term = r.u[mask]
     if term.op == "view":
         inner = outside_range(r, term.args[0])
@@ -81,24 +84,21 @@ def outside_range(r: Rules, mask: int) -> tuple[int, int, int] | None:
         if "lt" in limits and "ge" in limits:
             return x1, int(limits["lt"]), int(limits["ge"])
     if term.op == "logical_not":
-        inner = r.u[term.args[0]]
-        if inner.op == "logical_and":
-            bounds = [_compare_const(r, a) for a in inner.args]
-            if None not in bounds and bounds[0][0] == bounds[1][0]:
-                limits = {b[1]: b[2] for b in bounds}
-                if "ge" in limits and "lt" in limits:
-                    return bounds[0][0], int(limits["ge"]), int(limits["lt"])
-    return None
+        return inside_range(r, term.args[0])
+    return _one_sided(r, mask, {"ge": False, "lt": True})
 
 
-def _inside_range(r: Rules, mask: int) -> tuple[int, int, int] | None:
-    """Recognize `ids >= lo & ids < hi` (perhaps reshaped) as (ids, lo, hi)."""
+def inside_range(r: Rules, mask: int) -> tuple[int, int, int] | None:
+    """Recognize `ids >= lo & ids < hi` (perhaps reshaped) as (ids, lo, hi); one test of a bound is
+    the range to the other bound of the ids' values."""
     term = r.u[mask]
     if term.op == "view":
-        inner = _inside_range(r, term.args[0])
+        inner = inside_range(r, term.args[0])
         return None if inner is None else (r.view(inner[0], term.shape), *inner[1:])
+    if term.op == "logical_not":
+        return outside_range(r, term.args[0])
     if term.op != "logical_and" or len(term.args) != 2:
-        return None
+        return _one_sided(r, mask, {"ge": True, "lt": False})
     bounds = [_compare_const(r, a) for a in term.args]
     if None in bounds or bounds[0][0] != bounds[1][0]:
         return None
@@ -106,6 +106,17 @@ def _inside_range(r: Rules, mask: int) -> tuple[int, int, int] | None:
     if "ge" in limits and "lt" in limits:
         return bounds[0][0], int(limits["ge"]), int(limits["lt"])
     return None
+
+
+def _one_sided(r: Rules, mask: int, above: dict[str, bool]) -> tuple[int, int, int] | None:
+    """`ids >= v` or `ids < v` as (ids, lo, hi): the range above v (`above[op]`) or below it, up to
+    the bound of the values ids takes (top-k positions lie in [0, k))."""
+    compared = _compare_const(r, mask)
+    values = None if compared is None else interval(r, compared[0], {})
+    if values is None or not isinstance(compared[2], int):
+        return None
+    ids, op, v = compared
+    return (ids, v, int(values[1]) + 1) if above[op] else (ids, int(values[0]), v)
 
 
 def range_masks(r: Rules, t: int) -> list[tuple[int, tuple[int, int, int, bool]]]:
@@ -120,13 +131,56 @@ def range_masks(r: Rules, t: int) -> list[tuple[int, tuple[int, int, int, bool]]
         term = r.u[x]
         if term.dtype == "bool":
             beyond = outside_range(r, x)
-            within = _inside_range(r, x)
+            within = inside_range(r, x)
             if beyond is not None:
                 found.append((x, (*beyond, True)))
-            elif within is not None:
+            if within is not None:  # both, for one test of a bound (ids < v: inside [0, v), outside [v, n))
                 found.append((x, (*within, False)))
         stack.extend(term.args)
     return found
+
+
+def compare(r: Rules, op: str, args, attrs, shape, dtype) -> int:
+    """A comparison of where(m, a, b) with a constant that each branch decides where it is taken
+    is m, not m or a constant: `where(lo <= ids < hi, ids - lo, n) >= n`, a sentinel test of ids
+    renumbered into a rank's range [lo, hi) (n = hi - lo), is the test of ids outside the range."""
+    x, bound = args
+    chosen, limit = r.u[x], r.full_value(bound)
+    if limit is None or isinstance(limit, bool):
+        return elementwise(r, op, args, attrs, shape, dtype)
+    always = _holds(r, op, interval(r, x, {}), limit)
+    if always is not None:  # decided by the values' range (top-k positions are below their axis' size)
+        return r.const(("full", always), shape, "bool")
+    if chosen.op != "where":
+        return elementwise(r, op, args, attrs, shape, dtype)
+    cond, when_true, when_false = chosen.args
+    truths = [_decided(r, op, branch, limit, cond, taken) for branch, taken in ((when_true, True), (when_false, False))]
+    if None in truths:
+        return elementwise(r, op, args, attrs, shape, dtype)
+    if truths[0] == truths[1]:
+        return r.const(("full", truths[0]), shape, "bool")
+    return cond if truths[0] else r.build("logical_not", (cond,), (), shape, "bool")
+
+
+def _decided(r: Rules, op: str, value: int, limit, cond: int, taken: bool) -> bool | None:
+    """`value op limit` wherever `cond` is `taken`, when the ranges decide it: ids known to lie in
+    [lo, hi) where a range test of them holds, constants everywhere."""
+    known = {}
+    tested = inside_range(r, cond) if taken else outside_range(r, cond)
+    if tested is not None:
+        ids, lo, hi = tested
+        known[ids] = (Fraction(lo), Fraction(hi - 1))
+    return _holds(r, op, interval(r, value, known), limit)
+
+
+def _holds(r: Rules, op: str, bounds, limit) -> bool | None:
+    """`x op limit` for every x in `bounds`: True, False, or None (not decided)."""
+    if bounds is None:
+        return None
+    low, high = bounds
+    always, never = {"lt": (high < limit, low >= limit), "le": (high <= limit, low > limit),
+                     "gt": (low > limit, high <= limit), "ge": (low >= limit, high < limit)}.get(op, (False, False))
+    return True if always else False if never else None
 
 
 def _compare_const(r: Rules, t: int) -> tuple[int, str, Any] | None:
@@ -139,6 +193,14 @@ def _compare_const(r: Rules, t: int) -> tuple[int, str, Any] | None:
     op = {"le": "lt", "gt": "ge"}.get(term.op, term.op)
     shift = 1 if term.op in ("le", "gt") else 0
     return term.args[0], op, value + shift
+
+
+def is_shift_of(r: Rules, shifted: int, ids: int, lo: int, hi: int, assumed: dict[int, int]) -> bool:
+    """`shifted` is ids - lo wherever ids lies in [lo, hi) (with the terms of `assumed`, a mask
+    testing that, replaced by their values there); an index clamped to the shard counts."""
+    offset = r.literal("full", (), (-lo,), r.shape(ids), r.u[ids].dtype)
+    local = r.view(r.lin([(ids, Fraction(1)), (offset, Fraction(1))]), r.shape(shifted))
+    return rebuild(r, shifted, assumed, {ids: (Fraction(lo), Fraction(hi - 1))}) == local
 
 
 def keep_literal(r: Rules, op: str, args, attrs, shape, dtype) -> int:

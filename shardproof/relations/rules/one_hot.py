@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 
 from shardproof.relations.assume import rebuild
 from shardproof.relations.rules.blocks import of_blocks
-from shardproof.relations.rules.lookups import is_shift_of
-from shardproof.relations.rules.masks import range_masks
+from shardproof.relations.rules.masks import is_shift_of, range_masks
+from shardproof.relations.rules.slots import row_masked
 from shardproof.relations.rules.values import FLOAT_DTYPES, is_finite_number
 
 if TYPE_CHECKING:
@@ -142,7 +142,7 @@ def masked_rows_into_one_hot(r: Rules, a: int, b: int, attrs, shape, dtype) -> i
     hot_t = r.u[a]
     if hot_t.op != "permute" or hot_t.attrs[0] != (1, 0) or not is_one_hot(r, hot_t.args[0]) or r.u[hot_t.args[0]].attrs[0] != 1:
         return None
-    masked = _row_masked(r, b)
+    masked = _row_masked(r, b) or row_masked(r, b)
     if masked is None:
         return None
     keep, rows = masked

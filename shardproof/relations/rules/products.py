@@ -14,6 +14,7 @@ from shardproof.relations.rules.elementwise import elementwise, unview, viewed_f
 from shardproof.relations.rules.masks import times_mask
 from shardproof.relations.rules.one_hot import masked_rows_into_one_hot, one_hot_times
 from shardproof.relations.rules.regions import cat_bounds
+from shardproof.relations.rules.slots import whole_under
 from shardproof.relations.rules.values import FLOAT_DTYPES, is_finite_number
 
 if TYPE_CHECKING:
@@ -40,6 +41,9 @@ def mul(r: Rules, args, attrs, shape, dtype) -> int:
     scaled = _bilinear(r, "mul", args, attrs, shape, dtype)
     if scaled is not None:
         return scaled
+    renumbered = _renumbered_lookups(r, "mul", args, attrs, shape, dtype)
+    if renumbered is not None:
+        return renumbered
     for i, a in enumerate(args):
         divisor = _reciprocal_of(r, a) if dtype in FLOAT_DTYPES else None
         if divisor is not None and r.shape(args[1 - i]) == shape:
@@ -60,6 +64,16 @@ def mul(r: Rules, args, attrs, shape, dtype) -> int:
         if absorbed is not None:
             return absorbed
     return elementwise(r, "mul", args, attrs, shape, dtype)
+
+
+def _renumbered_lookups(r: Rules, op: str, args, attrs, shape, dtype) -> int | None:
+    """A product slot by slot of a rank's lookups renumbered into its rows and a factor that
+    vanishes on the slots outside them: the product with the lookups into the whole table."""
+    for zeroed in range(len(args)):
+        whole = whole_under(r, op, args, attrs, shape, zeroed)
+        if whole is not None:
+            return r.build(op, whole, attrs, shape, dtype)
+    return None
 
 
 def _reciprocal_of(r: Rules, t: int) -> int | None:
@@ -119,6 +133,9 @@ def matmul(r: Rules, op: str, args, attrs, shape, dtype) -> int:
     scaled = _bilinear(r, op, args, attrs, shape, dtype)
     if scaled is not None:
         return scaled
+    renumbered = _renumbered_lookups(r, op, args, attrs, shape, dtype)
+    if renumbered is not None:
+        return renumbered
     for i, t in enumerate((a, b)):
         term = r.u[t]
         other = args[1 - i]
