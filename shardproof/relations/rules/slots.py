@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from shardproof.relations.rules.core import Rules
 
 Run = tuple[int, int]
-Mask = tuple[int, int, int, int]  # (ids, lo, hi, the where that zeroes the slots outside [lo, hi))
+Mask = tuple[int, int, int, frozenset]  # (ids, lo, hi, the wheres that zero the slots outside [lo, hi))
 _MIXED = "mixed"  # a term that mixes slots (or reads them in an order we do not follow)
 _ELEMENTWISE_KINDS = {"unary", "binary", "compare", "where", "pointwise"}
 _SEARCH_DEPTH = 16  # how deep a factor vanishing outside a block is looked for
@@ -86,7 +86,10 @@ def out_run(r: Rules, op: str, attrs: tuple, args: tuple[int, ...], runs: list, 
         return _settled(shape, (a - shift, b - shift), n)
     if op in ("softmax", "log_softmax"):
         return _MIXED if a <= attrs[0] % len(shape) < b else _settled(shape, (a, b), n)
-    if op == "cat" and not a <= attrs[0] < b or op == "lin" or (op in OPS and OPS[op].kind in _ELEMENTWISE_KINDS):
+    if op == "cat" and not a <= attrs[0] < b:  # parts joined along a dim of no slot
+        found = {_settled(shape, run, n) for _, run in held}
+        return found.pop() if len(found) == 1 else _MIXED
+    if op == "lin" or (op in OPS and OPS[op].kind in _ELEMENTWISE_KINDS):
         found = {_settled(shape, run, n) if r.shape(t) == shape else _MIXED for t, run in held}
         return found.pop() if len(found) == 1 else _MIXED
     return _MIXED
@@ -192,8 +195,9 @@ def masking(r: Rules, cond: int, zero_when: bool) -> tuple[int, int, int, int] |
 
 
 def vanishing(r: Rules, t: int, depth: int = _SEARCH_DEPTH) -> tuple[Mask, Run] | None:
-    """(mask, run): `t` is zero on the slots whose ids lie outside [lo, hi), through a `where` of
-    that test, multiplied into `t` slot by slot; run holds the slots in `t`."""
+    """(mask, run): `t` is zero on the slots whose ids lie outside [lo, hi), through `where`s of
+    that test (the mask's last entry: all of them) multiplied into `t` slot by slot; run holds the
+    slots in `t`."""
     term = r.u[t]
     if depth == 0 or r.in_reference(t):
         return None
@@ -206,11 +210,20 @@ def vanishing(r: Rules, t: int, depth: int = _SEARCH_DEPTH) -> tuple[Mask, Run] 
                 n = math.prod(r.shape(ids))
                 run = slot_run(r, cond, {base: (0, len(r.shape(base)))}, n)
                 if run is not None and run != _MIXED:
-                    return (ids, lo, hi, t), run
+                    return (ids, lo, hi, frozenset((t,))), run
         return None
-    factors = {"mul": term.args, "view": term.args, "bcast": term.args, "permute": term.args, "slice": term.args,
-               "matmul": term.args, "sum": term.args}.get(term.op, ())
-    for i, a in enumerate(factors):
+    if term.op in ("cat", "lin"):  # every part vanishes
+        found = [vanishing(r, a, depth - 1) for a in term.args]
+        if None in found or len({mask[:3] for mask, _ in found}) != 1:
+            return None
+        n = math.prod(r.shape(found[0][0][0]))
+        out = out_run(r, term.op, term.attrs, term.args, [run for _, run in found], term.shape, n)
+        if out is None or out == _MIXED:
+            return None
+        return (*found[0][0][:3], frozenset().union(*(mask[3] for mask, _ in found))), out
+    if term.op not in ("mul", "view", "bcast", "permute", "slice", "matmul", "sum"):
+        return None
+    for i, a in enumerate(term.args):  # one factor vanishes
         found = vanishing(r, a, depth - 1)
         if found is None:
             continue
@@ -262,14 +275,13 @@ def row_masked(r: Rules, t: int) -> tuple[int, int] | None:
     found = vanishing(r, t)
     if found is None or found[1] != (0, 1):
         return None
-    (ids, lo, hi, masked), _ = found
-    cond, when_true, _ = r.u[masked].args
-    base = cond
-    while r.op(base) in ("bcast", "view"):
-        base = r.u[base].args[0]
-    kept = when_true if r.full_value(when_true) != 0 else r.u[masked].args[2]
-    inside = base if r.full_value(when_true) != 0 else r.build("logical_not", (base,), (), r.shape(base), "bool")
-    return r.view(inside, (r.shape(t)[0], 1)), rebuild(r, t, {masked: kept}, {})
+    (ids, lo, hi, masks), _ = found
+    kept = {}
+    for masked in masks:  # each where as the value it keeps: t is that where the flag holds
+        _, when_true, when_false = r.u[masked].args
+        kept[masked] = when_false if r.full_value(when_true) == 0 else when_true
+    range_test = inside_test(r, ids, lo, hi)
+    return r.view(range_test, (r.shape(t)[0], 1)), rebuild(r, t, kept, {})
 
 
 _LINEAR_IN = {"mul": None, "matmul": None, "lin": None, "cat": None, "div": (0,), "view": (0,), "bcast": (0,),
@@ -358,3 +370,11 @@ def whole_where(r: Rules, cond: int, when_true: int, when_false: int) -> tuple[i
         whole = rebuild(r, kept, lookups, {})
         return (zero, whole) if zero_when else (whole, zero)
     return None
+
+
+def inside_test(r: Rules, ids: int, lo: int, hi: int) -> int:
+    """The bool test lo <= ids < hi."""
+    shape, dtype = r.shape(ids), r.u[ids].dtype
+    above = r.build("ge", (ids, r.const(("full", lo), shape, dtype)), (), shape, "bool")
+    below = r.build("lt", (ids, r.const(("full", hi), shape, dtype)), (), shape, "bool")
+    return r.build("logical_and", (above, below), (), shape, "bool")
