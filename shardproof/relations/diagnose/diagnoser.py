@@ -24,6 +24,7 @@ from shardproof.relations.diagnose.overlap import OverlappingShards
 from shardproof.relations.diagnose.reads import CollectiveOperands
 from shardproof.relations.diagnose.shards import RankChunks
 from shardproof.relations.diagnose.swapped import SwappedOperands
+from shardproof.relations.diagnose.unmasked import UnmaskedSlots
 from shardproof.relations.diagnose.upstream import UpstreamReductions
 from shardproof.relations.diagnose.wrong_layout import LayoutFaults
 from shardproof.relations.diagnose.wrong_scale import ScaleFaults
@@ -36,7 +37,7 @@ from shardproof.report.terms import describe, line_of, placement, value_name
 
 class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOperands, OverlappingShards, MaskedLookups,
                 LayoutFaults, RankChunks, TopCandidates, MergeWeights, SwappedOperands,
-                MisplacedTerms, IndexAxes, OtherDims, UpstreamReductions):
+                MisplacedTerms, IndexAxes, OtherDims, UpstreamReductions, UnmaskedSlots):
     def __init__(self, run: Execution, reference: Graph, ranks: list[Graph], claims: bool = True):
         """`claims`: the outputs diagnosed are the case's claims, not a call's outputs compared as
         if whole, which a rank may rightly hold as a scaled share (a region of a reference term)."""
@@ -122,6 +123,7 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
                 or self._overlapping_gather(rank, chain)
                 or self._mixing_reshape(rank, chain)
                 or self._misaligned_contraction(rank, chain)
+                or self._unmasked_slots(rank, chain)
                 or self._mismatched_lookup_mask(rank, chain)
                 or self._misplaced_positions(rank, chain)
                 or self._too_few_candidates(rank, chain)

@@ -35,8 +35,10 @@ class MaskedLookups:
             if root == terms[lookup.inputs[0]] or not self.region_of_reference(root):
                 continue
             for user in (n for n in chain if n.id > lookup.id):
-                for mask, (_, lo, hi, _) in range_masks(self.r, terms[user.id]):
-                    if (lo, hi) == rows or not self._reads(graph, user, lookup):
+                masks = range_masks(self.r, terms[user.id])
+                fitting = {mask for mask, (_, lo, hi, _) in masks if (lo, hi) == rows}  # (one test of a bound reads both ways)
+                for mask, (_, lo, hi, _) in masks:
+                    if mask in fitting or not self._reads(graph, user, lookup):
                         continue
                     size = self.r.shape(root)[axis]
                     if _own(rank, (lo, hi), size) and not _own(rank, rows, size):  # the table is the wrong shard

@@ -140,7 +140,10 @@ def masked_rows_into_one_hot(r: Rules, a: int, b: int, attrs, shape, dtype) -> i
     rank's one-hot of the ids in its vocabulary range is a slice of the reference's (torchtitan's
     vocab-parallel embedding scales its rows by a float mask, so its gradient is masked so)."""
     hot_t = r.u[a]
-    if hot_t.op != "permute" or hot_t.attrs[0] != (1, 0) or not is_one_hot(r, hot_t.args[0]) or r.u[hot_t.args[0]].attrs[0] != 1:
+    transposed = hot_t.op == "permute" and hot_t.attrs[0] == (1, 0)
+    if hot_t.op == "view" and r.shape(hot_t.args[0]) == hot_t.shape[::-1] and hot_t.shape[0] == 1:
+        transposed = True  # a one-hot of one column transposed is that column as a row
+    if not transposed or not is_one_hot(r, hot_t.args[0]) or r.u[hot_t.args[0]].attrs[0] != 1:
         return None
     masked = _row_masked(r, b) or row_masked(r, b)
     if masked is None:
