@@ -9,9 +9,8 @@ and the MoE output is summed over ranks. The sentinel slots' outputs are not zer
 weight hides them in the forward only: the router's gradient collects <grad, output> for slots the
 rank never routed. The fix masks the routing weights of sentinel slots in the experts.
 
-DRAFT (not landed): the oracle agrees (fixed at 1, 2, 4, 8; buggy differs in the router's gradient
-at 2, 4, 8), the prover says unknown at the sentinel renumbering (no law yet for a rank's lookup
-of expert weights by ids renumbered into its range, masked by its routing weights).
+Marked: the line where the experts read the routing weights (the fix masks the sentinel slots'
+there); the diagnosis names the gradient reaching the router's all-reduce there.
 """
 
 import torch

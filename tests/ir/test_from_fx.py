@@ -24,3 +24,17 @@ def test_rows_picked_at_constant_indices_lower_to_slices_of_the_rows(rows: list[
     assert not any(node.op.startswith("aten.") for node in graph.nodes)
     (lowered,) = run_graph(graph, {"x": x})
     torch.testing.assert_close(lowered, pick(x) * 2)
+
+
+@pytest.mark.parametrize("shape", [(5,), (5, 3), (5, 3, 2)])
+def test_rows_at_integer_ids_lower_to_an_embedding_of_the_rows_flattened(shape: tuple[int, ...]) -> None:
+    """`x[ids]` (a stack of expert weights read per routing slot): an embedding of x's rows, with
+    whatever trailing dims they have, and no open op left."""
+    x = torch.randn(*shape, dtype=torch.float64)
+    ids = torch.tensor([[4, 0], [2, 2], [1, 3]])
+    program = make_fx(lambda t, i: t[i] * 2)(x, ids)
+    graph = Lowerer(program, ["x", "ids"], lambda node: None, [], lambda group: (), None).run()
+    assert "embedding" in {node.op for node in graph.nodes}
+    assert not any(node.op.startswith("aten.") for node in graph.nodes)
+    (lowered,) = run_graph(graph, {"x": x, "ids": ids})
+    torch.testing.assert_close(lowered, x[ids] * 2)
