@@ -1139,7 +1139,7 @@ def _rows_at(lo: Lowerer, x: int, ids: int) -> int:
     """`x[ids]`, integer ids into x's leading dim: the embedding of x's rows flattened, so a stack of
     expert weights read per routing slot is a lookup as a table's rows are (the laws of lookups
     into a rank's range of rows apply). Bool masks select a data-dependent count: declined."""
-    if not lo.dtype(ids).startswith(("int", "uint")):
+    if not lo.dtype(ids).startswith("int"):  # (uint8 ids index as a mask too)
         raise Declined
     shape = lo.shape(x)
     width = math.prod(shape[1:])

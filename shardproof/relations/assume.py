@@ -9,6 +9,7 @@ constant, and the index knowing `lo <= ids < hi`, shows both.
 
 from __future__ import annotations
 
+import math
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
@@ -58,7 +59,7 @@ def interval(r: Rules, t: int, known: dict[int, Interval]) -> Interval | None:
         return known[t]
     value = r.full_value(t)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return Fraction(value), Fraction(value)
+        return (Fraction(value), Fraction(value)) if math.isfinite(value) else None
     term = r.u[t]
     if term.op in ("bcast", "view", "slice", "permute", "repeat"):
         return interval(r, term.args[0], known)

@@ -163,3 +163,20 @@ def test_rows_zeroed_by_a_per_row_test_read_as_the_test_and_the_rows() -> None:
     assert torch.equal(b.value_of(V(keep, inside)).reshape(-1), inside.reshape(-1))
     expected = rows.value
     torch.testing.assert_close(torch.where(inside.reshape(SLOTS, 1), b.value_of(V(kept, expected)), 0.0), expected)
+
+
+def test_ranks_masks_laid_out_differently_are_no_sum_of_the_whole() -> None:
+    """One rank's test broadcast along the rows, the other's along the columns: each element is kept
+    by one rank, or by both or neither: no law applies."""
+    b = Build()
+    ids, weights = _routing(b)
+    x = b.leaf("x", (SLOTS, SLOTS))
+    masks = []
+    for (lo, hi), dim in (((0, 4), 0), ((4, 8), 1)):
+        sentinel = _sentinel_rank(b, ids, weights, lo, hi)[2]
+        along = (SLOTS, 1) if dim == 0 else (1, SLOTS)
+        masks.append(b.op("where", b.expand(b.view(sentinel, along), (SLOTS, SLOTS)), b.scalar(0.0, (SLOTS, SLOTS)), x))
+    assert tiled_sum(b.r, [m.term for m in masks]) is None
+    total = b.add(*masks)
+    b.check(total)
+    assert total.term != x.term

@@ -116,7 +116,8 @@ def _one_sided(r: Rules, mask: int, above: dict[str, bool]) -> tuple[int, int, i
     if values is None or not isinstance(compared[2], int):
         return None
     ids, op, v = compared
-    return (ids, v, int(values[1]) + 1) if above[op] else (ids, int(values[0]), v)
+    lo, hi = (v, int(values[1]) + 1) if above[op] else (int(values[0]), v)
+    return (ids, lo, hi) if lo < hi else None
 
 
 def range_masks(r: Rules, t: int) -> list[tuple[int, tuple[int, int, int, bool]]]:

@@ -78,7 +78,7 @@ def out_run(r: Rules, op: str, attrs: tuple, args: tuple[int, ...], runs: list, 
         return _settled(shape, (a, b), n) if all(attrs[0][d] == (0, first[d]) for d in range(a, b)) else _MIXED
     if op == "matmul":
         return _matmul_run(r, args, runs, shape, n)
-    if op in ("sum", "amax", "mean") and OPS[op].kind == "reduce":
+    if op in ("sum", "amax"):
         dims, keep = attrs[0], attrs[1]
         if any(a <= d < b for d in dims):
             return _MIXED
@@ -296,9 +296,9 @@ def tiled_sum(r: Rules, terms: list[int]) -> int | None:
     if len({r.shape(t) for t in terms}) != 1:
         return None
     masked = [_masked_value(r, t) for t in terms]
-    if None not in masked and len({(x, ids) for x, ids, _, _ in masked}) == 1:
-        _, ids, _, _ = masked[0]
-        return masked[0][0] if _tile(r, ids, [(lo, hi) for _, _, lo, hi in masked]) else None
+    if None not in masked and len({(x, ids, layout) for x, ids, _, _, layout in masked}) == 1:
+        _, ids, _, _, _ = masked[0]
+        return masked[0][0] if _tile(r, ids, [(lo, hi) for _, _, lo, hi, _ in masked]) else None
     others = [r.u[t] for t in terms[1:]]
     if any((o.op, o.attrs if o.op != "lin" else None, len(o.args)) != (first.op, first.attrs if first.op != "lin" else None,
                                                                        len(first.args)) for o in others):
@@ -330,8 +330,9 @@ def _holes(r: Rules, terms: list[int], linear_in: tuple[int, ...] | None) -> tup
     return differ[0], [ps[differ[0]] for ps in pairs]
 
 
-def _masked_value(r: Rules, t: int) -> tuple[int, int, int, int] | None:
-    """(x, ids, lo, hi) for t = where(ids outside [lo, hi), 0, x) (or where(inside, x, 0))."""
+def _masked_value(r: Rules, t: int) -> tuple[int, int, int, int, int] | None:
+    """(x, ids, lo, hi, layout) for t = where(ids outside [lo, hi), 0, x) (or where(inside, x, 0)),
+    layout the mask's broadcasts and reshapes (applied to ids itself): masks of one layout meet."""
     term = r.u[t]
     if term.op != "where":
         return None
@@ -339,8 +340,18 @@ def _masked_value(r: Rules, t: int) -> tuple[int, int, int, int] | None:
     for zero, x, zero_when in ((when_true, when_false, True), (when_false, when_true, False)):
         tested = masking(r, cond, zero_when) if r.full_value(zero) == 0 else None
         if tested is not None:
-            return x, tested[0], tested[1], tested[2]
+            ids, lo, hi, base = tested
+            return x, ids, lo, hi, _laid_out(r, cond, base, ids)
     return None
+
+
+def _laid_out(r: Rules, t: int, base: int, ids: int) -> int:
+    """`t`, broadcasts and reshapes of `base`, applied to `ids` instead."""
+    term = r.u[t]
+    if t == base:
+        return ids
+    inner = _laid_out(r, term.args[0], base, ids)
+    return r.view(inner, term.shape) if term.op == "view" else r.bcast(inner, term.shape, term.attrs[0])
 
 
 def _tile(r: Rules, ids: int, blocks: list[tuple[int, int]]) -> bool:
