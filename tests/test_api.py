@@ -147,6 +147,17 @@ def test_the_expert_parallel_example_is_proven_with_its_experts_tensor_parallel(
     assert report.verdict == "equivalent", report.diagnosis
 
 
+@pytest.mark.parametrize(("world_size", "mode"), [(2, "forward"), (4, "forward"), pytest.param(8, "forward", marks=pytest.mark.slow),
+                                                 pytest.param(8, "train", marks=pytest.mark.slow)])
+def test_sentinel_slots_case_is_proven_forward_and_at_eight_ranks(world_size: int, mode: str, checked) -> None:
+    """Expert parallelism with sentinel slots (trained at 1, 2, 4 above): the forward, and eight
+    ranks of one expert each, whose one-hot of one column the backward transposes by a reshape."""
+    case = load_case(CASES / "sentinel-expert-grad_fixed.py")
+    case.mode = mode
+    report = checked(case, world_size)
+    assert report.verdict == "equivalent", report.diagnosis
+
+
 @pytest.mark.slow
 def test_ulysses_case_is_proven_at_eight_ranks() -> None:
     """Two heads and two tokens per rank (the fixed case runs at 1, 2, 4 above)."""
