@@ -355,3 +355,16 @@ def test_a_gather_from_ranks_shares_joined_adds_up_to_the_gather_from_the_whole(
     summed = b.add(*(read(r * block, (r + 1) * block) for r in range(tp)))
     b.check(summed)
     assert summed.term == read(0, 8).term
+
+
+def test_embedding_is_linear_in_its_table() -> None:
+    """A rank's rows of its partial product (`out[token_idx]` of a routed expert's output under
+    tensor parallelism) are its share of the rows of the whole product: the shares sum to them."""
+    b = Build()
+    x, w = b.leaf("x", (5, 6)), b.leaf("w", (6, 3))
+    idx = b.leaf("idx", (7,), torch.randint(0, 5, (7,), generator=b.gen))
+    shares = [b.op("embedding", b.op("matmul", b.sl(x, 1, lo, hi), b.sl(w, 0, lo, hi)), idx) for lo, hi in ((0, 2), (2, 6))]
+    assert all(b.op_of(s) == "piece" for s in shares)
+    total = b.add(*shares)
+    b.check(total)
+    assert total.term == b.op("embedding", b.op("matmul", x, w), idx).term

@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 
 
 def embedding(r: Rules, op: str, args, attrs, shape, dtype) -> int:
+    """Rows of a table at ids: slices of the table's columns or of the ids move out; linear in a
+    table that holds a partial sum (a rank's rows of its partial expert outputs are its share of the
+    rows of the whole, as DTensor keeps `x[idx]` of a `Partial` operand partial)."""
     weight, ids = args
     root_w, box_w = r.as_region(weight)
     if root_w != weight and box_w[0] == (0, r.shape(root_w)[0]):
@@ -30,6 +33,9 @@ def embedding(r: Rules, op: str, args, attrs, shape, dtype) -> int:
     if root_i != ids:
         global_shape = r.shape(root_i) + shape[-1:]
         return r.slice(r.build(op, (weight, root_i), attrs, global_shape, dtype), box_i + ((0, shape[-1]),))
+    table = r.u[weight]
+    if table.op == "piece" or (table.op == "lin" and any(r.op(a) == "piece" for a in table.args)):
+        return r._map_linear(weight, lambda t: r.build(op, (t, ids), attrs, shape, dtype), shape)
     return r.literal(op, args, attrs, shape, dtype)
 
 
