@@ -29,6 +29,7 @@ class Rules(RegionRules, ViewRules, LinearRules):
         self.constant_terms: dict[int, bool] = {}  # term -> computed from constants alone (`of_constants`)
         self.unsliced: dict[tuple, int | None] = {}  # (term, box, shape, reference size) -> `unslice`'s answer, once the reference is built
         self.assumptions: set[str] = set()  # what a proof using these terms takes for granted (in words)
+        self.vanishing: dict[tuple, Any] = {}  # (term, depth, reference size) -> `slots.vanishing`'s answer
 
     def in_reference(self, t: int) -> bool:
         """Where two normal forms are both true, rules prefer the one the reference built."""

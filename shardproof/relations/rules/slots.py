@@ -197,7 +197,14 @@ def masking(r: Rules, cond: int, zero_when: bool) -> tuple[int, int, int, int] |
 def vanishing(r: Rules, t: int, depth: int = _SEARCH_DEPTH) -> tuple[Mask, Run] | None:
     """(mask, run): `t` is zero on the slots whose ids lie outside [lo, hi), through `where`s of
     that test (the mask's last entry: all of them) multiplied into `t` slot by slot; run holds the
-    slots in `t`."""
+    slots in `t` (answers kept: products ask of each operand, chains of products of theirs)."""
+    key = (t, depth, r.reference_size)
+    if key not in r.vanishing:
+        r.vanishing[key] = _vanishing(r, t, depth)
+    return r.vanishing[key]
+
+
+def _vanishing(r: Rules, t: int, depth: int) -> tuple[Mask, Run] | None:
     term = r.u[t]
     if depth == 0 or r.in_reference(t):
         return None
