@@ -547,7 +547,7 @@ def _batch_regrouped(product: tuple[int, ...], shape: tuple[int, ...]) -> tuple[
     rest = shape[count:]
     if not count or size != math.prod(product[:-2]) or len(rest) == 2 or _without_ones(rest) != _without_ones(product[-2:]):
         return None
-    return shape[:count] if shape[:count] != product[:-2] else None  # a batch kept as it is: no regrouping
+    return shape[:count]
 
 
 def _without_ones(shape: tuple[int, ...]) -> tuple[int, ...]:
