@@ -180,3 +180,23 @@ def test_ranks_masks_laid_out_differently_are_no_sum_of_the_whole() -> None:
     total = b.add(*masks)
     b.check(total)
     assert total.term != x.term
+
+
+@pytest.mark.parametrize("context", ["added", "joined", "written"])
+def test_ranks_masks_in_an_affine_context_are_no_sum_of_the_whole(context) -> None:
+    """Each rank adds a shared term to its mask (or joins it to one, or writes into it): summed over
+    ranks that term counts once per rank, so the context of the unmasked value is not the sum."""
+    b = Build()
+    ids, weights = _routing(b)
+    shared = b.leaf("a", (SLOTS,))
+    ranks = []
+    for lo, hi in ((0, 4), (4, 8)):
+        mask = _sentinel_rank(b, ids, weights, lo, hi)[1]
+        if context == "added":
+            ranks.append(b.add(shared, mask))
+        elif context == "joined":
+            ranks.append(b.cat([shared, mask], 0))
+        else:
+            ranks.append(b.op("scatter_add", shared, b.view(ids, (SLOTS,)), mask, attrs=(0,)))  # (ids < SLOTS)
+    total = b.add(*ranks)
+    b.check(total)

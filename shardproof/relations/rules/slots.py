@@ -291,9 +291,11 @@ def row_masked(r: Rules, t: int) -> tuple[int, int] | None:
     return r.view(range_test, (r.shape(t)[0], 1)), rebuild(r, t, kept, {})
 
 
-_LINEAR_IN = {"mul": None, "matmul": None, "lin": None, "cat": None, "div": (0,), "view": (0,), "bcast": (0,),
-              "permute": (0,), "slice": (0,), "repeat": (0,), "sum": (0,), "convert": (0,), "embedding": (0,),
-              "gather": (0,), "scatter_add": (2,)}  # None: linear in each argument, the others held
+# Ops linear (not only affine) in an argument, the others held: a sum over ranks of their values
+# is their value at the sum. None: in each argument (mul, matmul; lin of one scaled term).
+_LINEAR_IN = {"mul": None, "matmul": None, "lin": None, "div": (0,), "view": (0,), "bcast": (0,), "permute": (0,),
+              "slice": (0,), "repeat": (0,), "sum": (0,), "convert": (0,), "embedding": (0,), "gather": (0,),
+              "scatter_add": (2,)}
 
 
 def tiled_sum(r: Rules, terms: list[int]) -> int | None:
@@ -310,8 +312,10 @@ def tiled_sum(r: Rules, terms: list[int]) -> int | None:
     if any((o.op, o.attrs if o.op != "lin" else None, len(o.args)) != (first.op, first.attrs if first.op != "lin" else None,
                                                                        len(first.args)) for o in others):
         return None
-    if first.op not in _LINEAR_IN:
-        return None
+    if first.op not in _LINEAR_IN or (first.op == "lin" and len(first.args) != 1):
+        return None  # (a sum with a shared term, a cat with a shared part: affine in the rest)
+    if first.op == "scatter_add" and r.full_value(first.args[0]) != 0:
+        return None  # (written into values every rank holds: affine)
     holes = _holes(r, terms, _LINEAR_IN[first.op])
     if holes is None:
         return None
