@@ -122,22 +122,25 @@ def _one_sided(r: Rules, mask: int, above: dict[str, bool]) -> tuple[int, int, i
 
 def range_masks(r: Rules, t: int) -> list[tuple[int, tuple[int, int, int, bool]]]:
     """The boolean terms inside `t` that test ids against a range: (mask, (ids, lo, hi, outside)),
-    outside True for `ids < lo | ids >= hi`, False for `lo <= ids < hi`."""
-    found, seen, stack = [], set(), [t]
+    outside True for `ids < lo | ids >= hi`, False for `lo <= ids < hi`. One test of a bound reads
+    both ways (ids < v: inside [0, v), outside [v, n)), unless it is a side of a two-sided test."""
+    seen: dict[int, None] = {}  # in the order found, outermost first
+    stack = [t]
     while stack:
         x = stack.pop()
-        if x in seen:
+        if x not in seen:
+            seen[x] = None
+            stack.extend(r.u[x].args)
+    sides = {a for x in seen if r.op(x) in ("logical_and", "logical_or") for a in r.u[x].args}
+    found = []
+    for x in seen:
+        if r.u[x].dtype != "bool" or (x in sides and r.op(x) in ("lt", "le", "gt", "ge")):
             continue
-        seen.add(x)
-        term = r.u[x]
-        if term.dtype == "bool":
-            beyond = outside_range(r, x)
-            within = inside_range(r, x)
-            if beyond is not None:
-                found.append((x, (*beyond, True)))
-            if within is not None:  # both, for one test of a bound (ids < v: inside [0, v), outside [v, n))
-                found.append((x, (*within, False)))
-        stack.extend(term.args)
+        beyond, within = outside_range(r, x), inside_range(r, x)
+        if beyond is not None:
+            found.append((x, (*beyond, True)))
+        if within is not None:
+            found.append((x, (*within, False)))
     return found
 
 
