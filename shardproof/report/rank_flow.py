@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from typing import Iterator, Union
 
 _RANK_NAME = re.compile(r"(^|_)rank$")
-# a count of ranks (`per_rank`), a rank that is a constant by design (a root's, a source's), or a
-# matrix's rank (`kv_lora_rank`: a low-rank projection's width)
-_NOT_OWN = re.compile(r"(^|_)(per|num|n|src|dst|root|lora|low)_rank$")
+# a count of ranks (`per_rank`, Megatron's `num_layers_per_pipeline_rank`), a rank that is a constant
+# by design (a root's, a source's), or a matrix's rank (`kv_lora_rank`: a low-rank projection's width)
+_NOT_OWN = re.compile(r"(^|_)(per|num|n|src|dst|root|lora|low)_(\w+_)?rank$")
 NUMBER, REGROUPED = "a number, not the rank", "a remainder or quotient of the rank"
 _LIMIT = 400  # names followed at most: a line's values reach back through a whole model otherwise
 

@@ -205,6 +205,14 @@ FINE = {
             n_rank = 2
             return x[: x.shape[0] // n_rank]  # USE
     """,
+    "a count per rank": """
+        def layers(x, stages_left):
+            if stages_left > 0:
+                num_layers_per_pipeline_rank = x.shape[0] // stages_left
+            else:
+                num_layers_per_pipeline_rank = 0
+            return x[:num_layers_per_pipeline_rank].sum()  # USE
+    """,
 }
 
 
