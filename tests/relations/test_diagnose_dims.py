@@ -73,3 +73,54 @@ def test_an_op_along_the_right_dim_of_a_wrong_operand_is_not_blamed_on_its_dim(o
     assert not run_numeric(buggy, 2).agree
     report = verify(buggy, world_size=2)
     assert report.verdict != "equivalent" and "works along dim" not in report.diagnosis, report.diagnosis
+
+
+SEQ, HALF = 8, 4  # tokens; each rank's queries and each key block (square blocks)
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(HIDDEN, HIDDEN, bias=False)
+        self.k = nn.Linear(HIDDEN, HIDDEN, bias=False)
+        self.v = nn.Linear(HIDDEN, HIDDEN, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.q(x) @ self.k(x).T / HIDDEN**0.5
+        return torch.softmax(scores, -1) @ self.v(x)
+
+
+class BlockwiseAttention(Attention):
+    """The rank's queries over two key blocks, merged by their log-sum-exps (an online softmax)."""
+
+    def __init__(self, rank: int, lse_dim: int):
+        super().__init__()
+        self.rank, self.lse_dim = rank, lse_dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.q(x)[self.rank * HALF : (self.rank + 1) * HALF], self.k(x), self.v(x)
+        outs, lses = [], []
+        for block in range(SEQ // HALF):
+            scores = q @ k[block * HALF : (block + 1) * HALF].T / HIDDEN**0.5
+            outs.append(torch.softmax(scores, -1) @ v[block * HALF : (block + 1) * HALF])
+            lses.append(torch.logsumexp(scores, self.lse_dim if block == 0 else -1))  # BUG when lse_dim is 0
+        merged = torch.logsumexp(torch.stack(lses), 0)
+        return sum(torch.exp(lse - merged)[:, None] * out for lse, out in zip(lses, outs))
+
+
+def test_a_value_along_another_dim_that_agrees_alone_is_found_where_it_is_made() -> None:
+    """A block's log-sum-exp over its queries is a partial result as much as over its keys; the
+    values part only at the merge. Over the keys, the ops after it agree: its line is the site."""
+    def case(lse_dim: int) -> Case:
+        return Case(Attention, lambda r, n: BlockwiseAttention(r, lse_dim), lambda: (torch.randn(SEQ, HIDDEN),),
+                    output=("shard", 0))
+
+    buggy = case(0)
+    assert not run_numeric(buggy, 2).agree
+    report = verify(buggy, world_size=2)
+    assert report.verdict == "discrepancy" and report.kind == "wrong layout", report.diagnosis
+    first = report.distributed[0]
+    assert "# BUG when lse_dim" in first.code and "`logsumexp`" in report.diagnosis, report.distributed
+    assert "works along dim 0" in report.diagnosis and "the ops after it agree" in report.diagnosis
+    fixed = case(-1)
+    assert verify(fixed, world_size=2).verdict == "equivalent" and run_numeric(fixed, 2).agree

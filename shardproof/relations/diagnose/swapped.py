@@ -42,23 +42,27 @@ class SwappedOperands:
         return self.grounded(t) or self.region_of_reference(t)
 
     def _agrees_after(self, rank: int, node: Node, twin: int) -> bool:
-        """Whether `twin` in place of `node`'s value agrees, or makes an op after it agree whose
-        value does not."""
-        terms = self.run.ranks[rank]
-        return self._agrees(twin) or any(
-            self._agrees(t) and not self._agrees(terms[n.id]) for n, t in self._replayed(rank, node, twin))
+        """Whether `twin` in place of `node`'s value agrees, or makes an op after it agree."""
+        return self._agrees(twin) or self._heals(rank, node, twin)
 
-    def _replayed(self, rank: int, node: Node, twin: int, until: int | None = None) -> Iterator[tuple[Node, int]]:
+    def _heals(self, rank: int, node: Node, twin: int, limit: int = REPLAYED) -> bool:
+        """Whether `twin` in place of `node`'s value makes an op after it agree whose value does not."""
+        terms = self.run.ranks[rank]
+        return any(self._agrees(t) and not self._agrees(terms[n.id])
+                   for n, t in self._replayed(rank, node, twin, limit=limit))
+
+    def _replayed(self, rank: int, node: Node, twin: int, until: int | None = None,
+                  limit: int = REPLAYED) -> Iterator[tuple[Node, int]]:
         """The rank's ops after `node` (up to the op `until`) whose values change with `twin` in
         place of `node`'s, with their replayed values, in program order: up to the first such op
-        that waits for peers (its value needs their replay too) or REPLAYED of them."""
+        that waits for peers (its value needs their replay too) or `limit` of them."""
         graph, terms = self.ranks[rank], self.run.ranks[rank]
         replayed, changed = list(terms), {node.id}
         replayed[node.id] = twin
         for n in graph.nodes[node.id + 1:(len(graph.nodes) if until is None else until + 1)]:
             if not changed.intersection(n.inputs):
                 continue
-            if len(changed) > REPLAYED or waits_for_peers(n.op):
+            if len(changed) > limit or waits_for_peers(n.op):
                 return
             replayed[n.id] = term_of(self.r, n, replayed, rank, {})
             changed.add(n.id)
