@@ -111,7 +111,7 @@ def _report(proof: Proof, candidate: Candidate, seconds: float) -> Report:
         report.diagnosis = finding.message + (f"; note: {candidate.caveat}" if candidate.caveat else "")
         located = _located_first(_unique([s for rank, node in finding.distributed for s in _sites(node, rank)]))
         report.distributed = _rank_choice_first(located, candidate.entries)
-        if finding.kind == "unmatched message":
+        if finding.kind == "unmatched message" and report.distributed[:1] == located[:1]:  # no rank lost to the peer's
             report.distributed = role_first(report.distributed, finding.distributed, captured.ranks, candidate.entries)
         report.reference = _located_first(_unique([_site(node, None) for node in finding.reference]))
         if finding.verdict == "unknown":
