@@ -77,9 +77,14 @@ def _stamp(file: str) -> tuple[int, int] | None:
 def chosen_on(file: str, line: int) -> RankChoice | None:
     """A rank chosen on `line` itself, in its arithmetic: a number or a neighbour's rank where a rank
     goes (`0 * rows`, `chunk(tp)[(tp_rank + 1) % world_size]`, see `_stand_in`)."""
-    stamp = _stamp(file)
-    source = None if stamp is None else _parsed(file, stamp)
+    source = source_of(file)
     return None if source is None else source.on_line(line)
+
+
+def source_of(file: str) -> _Source | None:
+    """`file` parsed as it is now (None if it cannot be read or parsed)."""
+    stamp = _stamp(file)
+    return None if stamp is None else _parsed(file, stamp)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -146,8 +151,13 @@ def _neighbour(value: ast.AST) -> bool:
 
 
 def _names_rank(value: ast.AST) -> bool:
-    return any(isinstance(n, ast.Name) and holds_rank(n.id) or isinstance(n, ast.Attribute) and holds_rank(n.attr)
-               for n in ast.walk(value))
+    return any(is_rank_name(n) for n in ast.walk(value))
+
+
+def is_rank_name(node: ast.AST) -> bool:
+    """A name or attribute that holds a rank (`rank`, `self.tp_rank`)."""
+    return (isinstance(node, ast.Name) and holds_rank(node.id)
+            or isinstance(node, ast.Attribute) and holds_rank(node.attr))
 
 
 def _chosen(name: str, value: ast.AST) -> str | None:

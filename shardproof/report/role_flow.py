@@ -15,7 +15,7 @@ import ast
 
 from shardproof.ir.graph import Graph, Node
 from shardproof.report.model import Site
-from shardproof.report.rank_flow import RankChoice, _parsed, _Source, _stamp, holds_rank
+from shardproof.report.rank_flow import RankChoice, _Source, is_rank_name, source_of
 
 ROLE = "a comparison deciding which ranks run it"
 _LIMIT = 200  # names followed at most
@@ -27,7 +27,7 @@ def role_choice(file: str, line: int, entries: frozenset[tuple[str, int]] = froz
     the conditional expressions on it): a test it runs under comparing the rank itself, else the
     nearest binding of a comparison the tests' names come from; None when there is none or the
     file cannot be read. `entries` as for rank_flow.rank_choice."""
-    source = _source(file)
+    source = source_of(file)
     if source is None:
         return None
     scopes = {source: source.reached(frozenset(first for where, first in entries if where == file))}
@@ -43,23 +43,17 @@ def role_choice(file: str, line: int, entries: frozenset[tuple[str, int]] = froz
 
 def neighbour_peer(file: str, line: int) -> bool:
     """Whether a call on `line` is passed a rank's neighbour: a rank's name plus or minus one."""
-    source = _source(file)
+    source = source_of(file)
     if source is None:
         return False
     calls = [n for n in ast.walk(source.tree) if isinstance(n, ast.Call) and n.lineno <= line <= (n.end_lineno or n.lineno)]
     return any(_adjacent(a) for call in calls for a in [*call.args, *(k.value for k in call.keywords)])
 
 
-def _source(file: str) -> _Source | None:
-    stamp = _stamp(file)
-    return None if stamp is None else _parsed(file, stamp)
-
-
 def _adjacent(value: ast.expr) -> bool:
     if not isinstance(value, ast.BinOp) or not isinstance(value.op, (ast.Add, ast.Sub)):
         return False
-    named = [s for s in (value.left, value.right) if isinstance(s, ast.Name) and holds_rank(s.id)
-             or isinstance(s, ast.Attribute) and holds_rank(s.attr)]
+    named = [s for s in (value.left, value.right) if is_rank_name(s)]
     number = [s for s in (value.left, value.right) if isinstance(s, ast.Constant) and s.value == 1 and type(s.value) is int]
     return len(named) == 1 and len(number) == 1
 
@@ -68,7 +62,7 @@ def _compares_rank(test: ast.expr) -> bool:
     """A test comparing a rank's name (`rank == 0`), or numbers only (the rank replaced by one)."""
     compares = [n for n in ast.walk(test) if isinstance(n, ast.Compare)]
     names = [n for c in compares for n in ast.walk(c) if isinstance(n, (ast.Name, ast.Attribute))]
-    return bool(compares) and (not names or any(holds_rank(n.id if isinstance(n, ast.Name) else n.attr) for n in names))
+    return bool(compares) and (not names or any(is_rank_name(n) for n in names))
 
 
 def _comparison(value: ast.expr) -> bool:

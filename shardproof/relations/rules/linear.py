@@ -131,18 +131,24 @@ class LinearRules:
         return self._merge_pieces(coefs) if nested else self._joint_piece(coefs)
 
     def _joint_piece(self, coefs: dict[int, Fraction]) -> dict[int, Fraction]:
-        """A sum of pieces of different sums, all over the same range of the same number of
-        indices, is that range of their sum: the pieces' indices pair up one to one (index k of
-        the sum is the k-th of every part), so the ranks' pieces still tile the whole. A rank's
-        share of a fused gate/up product's gradient, one piece from each half, stays one partial
-        sum through what is linear in it (`where(mask, x, 0)`), as the reference's sum does."""
+        """A sum of pieces of different sums, all over one range, is that range of their sum (see
+        `pieces_joined`). A rank's share of a fused gate/up product's gradient, one piece from each
+        half, stays one partial sum through what is linear in it (`where(mask, x, 0)`), as the
+        reference's sum does."""
         terms = [self.u[t] for t in coefs]
-        if len(terms) < 2 or any(t.op != "piece" for t in terms) or len({t.attrs[1:] for t in terms}) != 1:
-            return coefs
-        lo, hi, size = terms[0].attrs[1:]
-        whole = self.lin([(t.args[0], c) for t, c in zip(terms, coefs.values())])
-        axis = ("joint", tuple(sorted((t.attrs[0] for t in terms), key=repr)))
-        return {self.piece(whole, axis, lo, hi, size): Fraction(1)}
+        joined = None if len(terms) < 2 else self.pieces_joined(
+            terms, lambda sums: self.lin(list(zip(sums, coefs.values()))))
+        return coefs if joined is None else {joined: Fraction(1)}
+
+    def pieces_joined(self, pieces: list[Any], join: Callable[[list[int]], int]) -> int | None:
+        """Pieces (terms) all over the same range [lo, hi) of the same number of indices, combined
+        by a `join` linear in each (a sum, a cat) as that range of the join of their sums: the
+        pieces' indices pair up one to one (index k of the join's sum is the k-th of every part's),
+        so the ranks' pieces still tile the whole. None if they are not such pieces."""
+        if any(p.op != "piece" for p in pieces) or len({p.attrs[1:] for p in pieces}) != 1:
+            return None
+        axis = ("joint", tuple(sorted((p.attrs[0] for p in pieces), key=repr)))
+        return self.piece(join([p.args[0] for p in pieces]), axis, *pieces[0].attrs[1:])
 
     def piece(self, full: int, axis: Any, lo: int, hi: int, size: int) -> int:
         """The part of the sum `full` whose summation index along `axis` lies in [lo, hi)."""

@@ -139,19 +139,16 @@ class RegionRules:
         return self.literal("cat", tuple(merged), (dim,), tuple(shape), self.u[merged[0]].dtype)
 
     def piece_of_cat(self, t: int) -> int | None:
-        """A cat of shares over one range [lo, hi) of one number of indices (each maybe scaled) as
-        that range of the wholes joined: index k of the cat's sum is the k-th of every part's, so the
-        ranks' pieces still tile the whole (a TP rank's share of each routed gate's gradient, one
-        column per expert). Not the normal form, where sums of cats meet part by part
-        (`_lin_of_cats`): a linear op that maps through a piece asks for it (`lookups.gather`)."""
+        """A cat of shares over one range (each maybe scaled) as that range of the wholes joined
+        (`pieces_joined`): a TP rank's share of each routed gate's gradient, one column per expert.
+        Not the normal form, where sums of cats meet part by part (`_lin_of_cats`): a linear op
+        that maps through a piece asks for it (`lookups.gather`)."""
         term = self.u[t]
-        scaled = [self.common_factor(p) for p in term.args] if term.op == "cat" else []
-        pieces = [self.u[p] for p, _ in scaled]
-        if not pieces or any(p.op != "piece" for p in pieces) or len({p.attrs[1:] for p in pieces}) != 1:
+        if term.op != "cat":
             return None
-        whole = self.cat([self.scale(p.args[0], c) for p, (_, c) in zip(pieces, scaled)], term.attrs[0])
-        axis = ("joint", tuple(sorted((p.attrs[0] for p in pieces), key=repr)))
-        return self.piece(whole, axis, *pieces[0].attrs[1:])
+        scaled = [self.common_factor(p) for p in term.args]
+        return self.pieces_joined([self.u[p] for p, _ in scaled], lambda sums: self.cat(
+            [self.scale(s, c) for s, (_, c) in zip(sums, scaled)], term.attrs[0]))
 
     def _join(self, a: int, b: int, dim: int) -> int | None:
         """Two adjacent regions of one tensor are one region (adjacent position ranges too)."""
