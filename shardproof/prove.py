@@ -22,6 +22,7 @@ from shardproof.partition.templates import expand, has_calls
 from shardproof.programs import Captured, Check, Output, zigzag_chunks
 from shardproof.relations.diagnose import Diagnoser, Finding
 from shardproof.relations.diagnose.agreement import unreduced
+from shardproof.relations.diagnose.input_cuts import Claimed
 from shardproof.relations.execute import CollectiveMismatch, Execution, execute
 from shardproof.relations.layout import box_along
 from shardproof.relations.rules import Rules
@@ -46,23 +47,25 @@ class Proof:
 
 def prove(captured: Captured, progress: Callable[[str], None] = lambda _: None) -> Proof:
     reference, ranks, checks = captured.reference, captured.ranks, captured.checks
+    layout = _claimed(reference, checks)
     calls = CallProofs() if has_calls(reference) else None
     if calls is not None:
         try:
-            proof = _by_calls(reference, ranks, checks, calls, progress)
+            proof = _by_calls(reference, ranks, checks, calls, progress, layout)
             if proof is not None:
                 return proof  # proven, or diverging outside every call (and diagnosed there)
         except Unmatched as unmatched:
-            proof = _diagnosed_call(reference, ranks, calls, unmatched.index, progress)
+            proof = _diagnosed_call(reference, ranks, calls, unmatched.index, progress, layout)
             if proof is not None:
                 return proof
         progress("proving the expanded programs")
     reference, ranks = expand(reference), [expand(g) for g in ranks]
-    return _judged(lambda: execute(reference, ranks), reference, ranks, checks, calls)
+    return _judged(lambda: execute(reference, ranks), reference, ranks, checks, calls, layout=layout)
 
 
 def _by_calls(
-    reference: Graph, ranks: list[Graph], checks: list[Check], calls: CallProofs, progress: Callable[[str], None]
+    reference: Graph, ranks: list[Graph], checks: list[Check], calls: CallProofs, progress: Callable[[str], None],
+    layout: Claimed | None = None,
 ) -> Proof | None:
     """Call by call, each distinct call proven once: the proof, or None where calls do not line up."""
     reference, ranks = aligned(reference, ranks)
@@ -73,13 +76,15 @@ def _by_calls(
         count(progress, "calls proven", done, total, calls.reused)
 
     try:  # calls line up, so collectives between them must too: a mismatch there is a finding
-        return _judged(lambda: execute_with_calls(reference, ranks, calls, on_call), reference, ranks, checks, calls)
+        return _judged(lambda: execute_with_calls(reference, ranks, calls, on_call), reference, ranks, checks, calls,
+                       layout=layout)
     except NotPartitioned:
         return None
 
 
 def _diagnosed_call(
-    reference: Graph, ranks: list[Graph], calls: CallProofs, index: int, progress: Callable[[str], None]
+    reference: Graph, ranks: list[Graph], calls: CallProofs, index: int, progress: Callable[[str], None],
+    layout: Claimed | None = None,
 ) -> Proof | None:
     """The programs up to the `index`-th call, that call expanded, diagnosed at its outputs: a bug
     in one layer is found at the cost of one layer. A discrepancy, or None (prove it all then)."""
@@ -89,7 +94,8 @@ def _diagnosed_call(
     reference, ranks = aligned(through_call(reference, index), [through_call(g, index) for g in ranks], index)
     checks = [Check(f"output {i} of call {index} (`{call.module}`)", i, i, ("replicate",)) for i in range(len(call.outputs))]
     try:
-        proof = _judged(lambda: execute_with_calls(reference, ranks, calls), reference, ranks, checks, calls, claims=False)
+        proof = _judged(lambda: execute_with_calls(reference, ranks, calls), reference, ranks, checks, calls, claims=False,
+                        layout=layout)
     except (NotPartitioned, Unmatched):
         return None
     if proof.verdict != "discrepancy":
@@ -101,7 +107,7 @@ def _diagnosed_call(
 
 def _judged(
     run_graphs: Callable[[], Execution], reference: Graph, ranks: list[Graph], checks: list[Check], calls: CallProofs | None,
-    claims: bool = True,
+    claims: bool = True, layout: Claimed | None = None,
 ) -> Proof:
     """Execute, then prove the checks in order and diagnose those that fail, up to DIAGNOSED_CLAIMS
     of them; a discrepancy leads over a claim left unknown (ranks issuing different collectives
@@ -127,7 +133,7 @@ def _judged(
         if unproven:
             diagnoser = diagnoser or Diagnoser(run, reference, ranks, claims)
             finding = diagnoser.diagnose(unproven, _expected_terms(run, ranks, check, unproven),
-                                         _replicated_term(run, reference, check) if claims else None)
+                                         _replicated_term(run, reference, check) if claims else None, layout)
             if finding.verdict == "unknown" and claims:
                 finding = _misshapen(diagnoser, reference, ranks, check, unproven) or finding
             findings.append(_about(check, finding, named=len(checks) > 1))
@@ -142,6 +148,15 @@ def _expected_terms(run: Execution, ranks: list[Graph], check: Check, unproven: 
         return {}
     by_rank = {g.rank: g for g in ranks}
     return {(r, i): run.ranks[r][by_rank[r].outputs[check.expected]] for r, i in unproven}
+
+
+def _claimed(reference: Graph, checks: list[Check]) -> Claimed | None:
+    """The layout the first shard claim cuts its reference output in, with that output's shape:
+    the share of a dim each rank's inputs are cut in, where they are cut like the output."""
+    for check in checks:
+        if check.relation not in ("rank", "loss") and check.relation[0] in ("shard", "zigzag"):
+            return check.relation, reference[reference.outputs[check.expected]].shape
+    return None
 
 
 def _replicated_term(run: Execution, reference: Graph, check: Check) -> int | None:

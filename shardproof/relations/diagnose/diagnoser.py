@@ -16,6 +16,7 @@ from shardproof.relations.diagnose.collectives import CollectiveFaults
 from shardproof.relations.diagnose.dims import OtherDims
 from shardproof.relations.diagnose.finding import Finding
 from shardproof.relations.diagnose.indices import IndexAxes
+from shardproof.relations.diagnose.input_cuts import Claimed, InputCuts
 from shardproof.relations.diagnose.lookups import MaskedLookups
 from shardproof.relations.diagnose.merges import MergeWeights
 from shardproof.relations.diagnose.misplaced import MisplacedTerms
@@ -37,7 +38,7 @@ from shardproof.report.terms import describe, line_of, placement, value_name
 
 class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOperands, OverlappingShards, MaskedLookups,
                 LayoutFaults, RankChunks, TopCandidates, MergeWeights, SwappedOperands,
-                MisplacedTerms, IndexAxes, OtherDims, UpstreamReductions, UnmaskedSlots):
+                MisplacedTerms, IndexAxes, OtherDims, UpstreamReductions, UnmaskedSlots, InputCuts):
     def __init__(self, run: Execution, reference: Graph, ranks: list[Graph], claims: bool = True):
         """`claims`: the outputs diagnosed are the case's claims, not a call's outputs compared as
         if whole, which a rank may rightly hold as a scaled share (a region of a reference term)."""
@@ -83,10 +84,17 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
 
     # --- entry --------------------------------------------------------------------------------------
     def diagnose(self, mismatched_outputs: list[tuple[int, int]], expected: dict[tuple[int, int], int] | None = None,
-                 whole: int | None = None) -> Finding:
+                 whole: int | None = None, claim: Claimed | None = None) -> Finding:
         """`mismatched_outputs`: (rank, output index) pairs whose value was not proven; `expected`,
         where known, the term each of them must equal (a state after the step); `whole`, the
-        reference value each must equal, for a replicated output."""
+        reference value each must equal, for a replicated output; `claim`, the layout the outputs
+        are claimed in, with the reference output's shape. A discrepancy is led by the loader's
+        cut of an input that takes another share than the rank's (input_cuts.py)."""
+        found = self._diagnosed(mismatched_outputs, expected, whole)
+        return self._input_cut_first(found, claim) if found.verdict == "discrepancy" else found
+
+    def _diagnosed(self, mismatched_outputs: list[tuple[int, int]], expected: dict[tuple[int, int], int] | None,
+                   whole: int | None) -> Finding:
         for (rank, index), wanted in (expected or {}).items():
             scaled = self._prescaled_share(rank, self.ranks[rank][self.ranks[rank].outputs[index]], wanted)
             if scaled is not None:

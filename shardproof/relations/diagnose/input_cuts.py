@@ -1,0 +1,174 @@
+"""Input cuts: each rank's share of an input as the loader (`shard_input`) cuts it, against the
+other ranks' and against the share the output claim gives the rank. A cut of another share makes
+values that are regions of the reference's, so they agree until an op pairs them with values of
+the rank's own share (a mask built from its positions, a rope table) or joins them over ranks:
+however late the values part, the fault is at the cut. A part of `Diagnoser`.
+"""
+
+from __future__ import annotations
+
+from shardproof.ir.graph import Node
+from shardproof.programs import Output, zigzag_chunks
+from shardproof.relations.diagnose.finding import Finding
+from shardproof.relations.diagnose.overlap import Span, _faults
+from shardproof.relations.diagnose.shards import _is_rank_chunk
+from shardproof.report.terms import line_of
+
+_CUTTING = {"slice", "view", "permute", "expand", "convert", "cat"}  # ops that cut and join regions of an input
+Cut = tuple[int, list[Span]]  # the one dim an input is cut along, and the spans of it a rank holds, in order
+Held = tuple[Node, Cut, tuple[int, ...]]  # the op whose value the rank reads, its cut, the input's shape
+Claimed = tuple[Output, tuple[int, ...]]  # a shard claim's layout, with the shape of the reference output it cuts
+
+
+class InputCuts:
+    """The loader's cuts of the inputs that take another share than the rank's."""
+
+    def _input_cut_first(self, found: Finding, claim: Claimed | None) -> Finding:
+        """`found` (a discrepancy) led by the loader's cut of an input, where a rank's cut is not
+        the share the output claim gives it or the ranks' cuts of it, meant to partition it (their
+        widths add up to its size), overlap and leave gaps; else `found` itself."""
+        cuts = self._input_cuts()
+        for name, by_rank in cuts.items():
+            off = self._off_claim(name, by_rank, claim) if claim is not None else None
+            kind, off = ("wrong layout", off) if off is not None else ("overlapping shards", self._not_tiling(name, by_rank))
+            if off is not None:
+                rank, message = off
+                node = by_rank[rank][0]
+                return Finding(
+                    "discrepancy", kind,
+                    f"wrong layout{' (overlapping shards)' if kind == 'overlapping shards' else ''}: {message}; the "
+                    f"values part from the reference's later, at {_first_line(found)}",
+                    [(rank, node), *found.distributed], found.reference, op=found.op,
+                    fix=f"make rank {rank} take its own share of `inputs()[{name}]` at {line_of(node)}",
+                )
+        return found
+
+    def _off_claim(self, name: str, by_rank: dict[int, Held],
+                   claim: Claimed) -> tuple[int, str] | None:
+        """(rank, why) for the first rank whose cut of the input is not along a dim of the claimed
+        dim's size at the spans the claim gives the rank, when the input has a dim of that size."""
+        (kind, dim, *_), shape = claim
+        if kind not in ("shard", "zigzag"):
+            return None
+        size = shape[dim % len(shape)]
+        for rank, (_, (cut_dim, spans), full) in sorted(by_rank.items()):
+            wanted = claimed_spans(kind, size, rank, len(self.ranks))
+            if wanted is None or size not in full or _width(spans) * size != _width(wanted) * full[cut_dim]:
+                return None  # no dim to cut like the claimed one, or a cut of another fraction: not a share
+            if full[cut_dim] == size and _joined(spans) == _joined(wanted):
+                continue
+            claimed = "Shard" if kind == "shard" else "zigzag"
+            return rank, (f"rank {rank} cuts its shard of `inputs()[{name}]` at {_spans(spans)} along dim {cut_dim}, "
+                          f"where the output is claimed as {claimed}({dim}): rank {rank}'s {_spans(wanted)} of a dim "
+                          f"of size {size}")
+        return None
+
+    def _not_tiling(self, name: str, by_rank: dict[int, Held]) -> tuple[int, str] | None:
+        """(rank, why) when the ranks' cuts of the input add up to its size along one dim but do
+        not tile it: the first rank whose spans overlap another's and are not its own chunks."""
+        dims = {cut_dim for _, (cut_dim, _), _ in by_rank.values()}
+        if len(by_rank) != len(self.ranks) or len(dims) != 1:
+            return None
+        size = next(iter(by_rank.values()))[2][dims.pop()]
+        every = [span for _, (_, spans), _ in by_rank.values() for span in spans]
+        faults = _faults(every, size)
+        if _width(every) != size or not faults:
+            return None
+        shared = [r for r, (_, (_, spans), _) in sorted(by_rank.items())
+                  if any(_overlap(s, t) for s in spans for o, (_, (_, others), _) in by_rank.items() if o != r for t in others)]
+        rank = next((r for r in shared if not all(_is_rank_chunk(r, s, (0, size)) for s in by_rank[r][1][1])), shared[0])
+        parts = ", ".join(_spans(spans) for _, (_, (_, spans), _) in sorted(by_rank.items()))
+        return rank, (f"the ranks cut `inputs()[{name}]` ({parts}) along dim {by_rank[rank][1][0]}, which {faults}: rank {rank} "
+                      f"cuts its shard at {_spans(by_rank[rank][1][1])}")
+
+    def _input_cuts(self) -> dict[str, dict[int, Held]]:
+        """Per input (its index), per rank that cuts it along one dim: the op whose value the
+        rank's program reads (the last of the loader's), that cut, and the dim's size."""
+        found: dict[str, dict[int, Held]] = {}
+        for rank, graph in enumerate(self.ranks):
+            for node in self._loaded_inputs(rank):
+                leaf = self._input_leaf(rank, node)
+                cut = self._cut_of(self.run.ranks[rank][node.id], self.run.ranks[rank][leaf.id])
+                if cut is not None and node.loc is not None:
+                    name = str(leaf.attrs[0]).partition(":")[2]
+                    found.setdefault(name, {})[rank] = (node, cut, self.r.shape(self.run.ranks[rank][leaf.id]))
+        return found
+
+    def _loaded_inputs(self, rank: int) -> list[Node]:
+        """The values of the loader's ops on one input each (cuts and joins of regions of it) that
+        ops of the program read: what `shard_input` returned."""
+        graph = self.ranks[rank]
+        leaf_of: dict[int, int] = {}
+        for node in graph.nodes:
+            if node.op == "leaf" and str(node.attrs[0]).startswith("input:"):
+                leaf_of[node.id] = node.id
+            elif node.op in _CUTTING and node.inputs and all(i in leaf_of for i in node.inputs) \
+                    and len({leaf_of[i] for i in node.inputs}) == 1:
+                leaf_of[node.id] = leaf_of[node.inputs[0]]
+        read = {i for node in graph.nodes if node.id not in leaf_of for i in node.inputs} | set(graph.outputs)
+        return [graph[i] for i in sorted(read) if i in leaf_of and graph[i].op != "leaf"]
+
+    def _input_leaf(self, rank: int, node: Node) -> Node:
+        graph = self.ranks[rank]
+        while node.op != "leaf":
+            node = graph[node.inputs[0]]
+        return node
+
+    def _cut_of(self, t: int, leaf: int) -> Cut | None:
+        """The one dim along which the regions of the input `leaf` that `t` joins (or is) are
+        proper parts of it, and their spans, in order and apart as a share is; None for anything else."""
+        term = self.r.u[t]
+        parts = term.args if term.op == "cat" else (t,)
+        regions = [self.r.as_region(p) for p in parts]
+        if any(root != leaf for root, _ in regions):
+            return None
+        shape = self.r.shape(leaf)
+        dims = {d for _, box in regions for d, span in enumerate(box) if span != (0, shape[d])}
+        if len(dims) != 1 or (term.op == "cat" and term.attrs[0] not in dims):
+            return None
+        dim = dims.pop()
+        spans = [box[dim] for _, box in regions]
+        ordered = all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+        return (dim, spans) if ordered else None  # repeated or reordered rows are the program's, not a share
+
+
+def claimed_spans(kind: str, size: int, rank: int, world_size: int) -> list[Span] | None:
+    """The spans of a dim of `size` that rank `rank` holds under the claim Shard (`shard`: chunk
+    rank) or zigzag (chunks rank and 2 * world_size - 1 - rank of 2 * world_size); None where
+    the size does not divide."""
+    chunks = world_size if kind == "shard" else 2 * world_size
+    if size % chunks:
+        return None
+    width = size // chunks
+    if kind == "shard":
+        return [(rank * width, (rank + 1) * width)]
+    held = [chunk for chunk, (owner, _) in enumerate(zigzag_chunks(world_size)) if owner == rank]
+    return [(chunk * width, (chunk + 1) * width) for chunk in held]
+
+
+def _joined(spans: list[Span]) -> list[Span]:
+    """The spans with those that meet joined (a cat of chunks 1 and 2 is one region of chunks 1 to 2)."""
+    out: list[Span] = []
+    for lo, hi in spans:
+        if out and out[-1][1] == lo:
+            out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def _width(spans: list[Span]) -> int:
+    return sum(hi - lo for lo, hi in spans)
+
+
+def _overlap(a: Span, b: Span) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
+
+
+def _spans(spans: list[Span]) -> str:
+    return ", ".join(f"[{lo}:{hi})" for lo, hi in spans)
+
+
+def _first_line(found: Finding) -> str:
+    node = next((n for _, n in found.distributed if n.loc is not None), None)
+    return f"`{node.op}`, {line_of(node)}" if node is not None else "an op after it"
