@@ -1,8 +1,8 @@
 """Input cuts: each rank's share of an input as the loader (`shard_input`) cuts it, against the
-other ranks' and against the share the output claim gives the rank. A cut of another share makes
-values that are regions of the reference's, so they agree until an op pairs them with values of
-the rank's own share (a mask built from its positions, a rope table) or joins them over ranks:
-however late the values part, the fault is at the cut. A part of `Diagnoser`.
+share the output claim gives the rank. A cut of another share makes values that are regions of
+the reference's, so they agree until an op pairs them with values of the rank's own share (a
+mask built from its positions, a rope table) or joins them over ranks: however late the values
+part, the fault is at the cut. A part of `Diagnoser`.
 """
 
 from __future__ import annotations
@@ -10,8 +10,7 @@ from __future__ import annotations
 from shardproof.ir.graph import Node
 from shardproof.programs import Output, zigzag_chunks
 from shardproof.relations.diagnose.finding import Finding
-from shardproof.relations.diagnose.overlap import Span, _faults
-from shardproof.relations.diagnose.shards import _is_rank_chunk
+from shardproof.relations.diagnose.overlap import Span
 from shardproof.report.terms import line_of
 
 _CUTTING = {"slice", "view", "permute", "expand", "convert", "cat"}  # ops that cut and join regions of an input
@@ -24,20 +23,19 @@ class InputCuts:
     """The loader's cuts of the inputs that take another share than the rank's."""
 
     def _input_cut_first(self, found: Finding, claim: Claimed | None) -> Finding:
-        """`found` (a discrepancy) led by the loader's cut of an input, where a rank's cut is not
-        the share the output claim gives it or the ranks' cuts of it, meant to partition it (their
-        widths add up to its size), overlap and leave gaps; else `found` itself."""
-        cuts = self._input_cuts()
-        for name, by_rank in cuts.items():
+        """`found` (a discrepancy) led by the loader's cut of an input where a rank's cut is not
+        the share the output claim gives it; else, or when it already leads with that cut's line,
+        `found` itself."""
+        for name, by_rank in self._input_cuts().items():
             off = self._off_claim(name, by_rank, claim) if claim is not None else None
-            kind, off = ("wrong layout", off) if off is not None else ("overlapping shards", self._not_tiling(name, by_rank))
             if off is not None:
                 rank, message = off
                 node = by_rank[rank][0]
+                if found.distributed and _same_line(found.distributed[0][1], node):
+                    return found
                 return Finding(
-                    "discrepancy", kind,
-                    f"wrong layout{' (overlapping shards)' if kind == 'overlapping shards' else ''}: {message}; the "
-                    f"values part from the reference's later, at {_first_line(found)}",
+                    "discrepancy", "wrong layout",
+                    f"wrong layout: {message}; the values part from the reference's later, at {_first_line(found)}",
                     [(rank, node), *found.distributed], found.reference, op=found.op,
                     fix=f"make rank {rank} take its own share of `inputs()[{name}]` at {line_of(node)}",
                 )
@@ -62,24 +60,6 @@ class InputCuts:
                           f"where the output is claimed as {claimed}({dim}): rank {rank}'s {_spans(wanted)} of a dim "
                           f"of size {size}")
         return None
-
-    def _not_tiling(self, name: str, by_rank: dict[int, Held]) -> tuple[int, str] | None:
-        """(rank, why) when the ranks' cuts of the input add up to its size along one dim but do
-        not tile it: the first rank whose spans overlap another's and are not its own chunks."""
-        dims = {cut_dim for _, (cut_dim, _), _ in by_rank.values()}
-        if len(by_rank) != len(self.ranks) or len(dims) != 1:
-            return None
-        size = next(iter(by_rank.values()))[2][dims.pop()]
-        every = [span for _, (_, spans), _ in by_rank.values() for span in spans]
-        faults = _faults(every, size)
-        if _width(every) != size or not faults:
-            return None
-        shared = [r for r, (_, (_, spans), _) in sorted(by_rank.items())
-                  if any(_overlap(s, t) for s in spans for o, (_, (_, others), _) in by_rank.items() if o != r for t in others)]
-        rank = next((r for r in shared if not all(_is_rank_chunk(r, s, (0, size)) for s in by_rank[r][1][1])), shared[0])
-        parts = ", ".join(_spans(spans) for _, (_, (_, spans), _) in sorted(by_rank.items()))
-        return rank, (f"the ranks cut `inputs()[{name}]` ({parts}) along dim {by_rank[rank][1][0]}, which {faults}: rank {rank} "
-                      f"cuts its shard at {_spans(by_rank[rank][1][1])}")
 
     def _input_cuts(self) -> dict[str, dict[int, Held]]:
         """Per input (its index), per rank that cuts it along one dim: the op whose value the
@@ -157,12 +137,12 @@ def _joined(spans: list[Span]) -> list[Span]:
     return out
 
 
+def _same_line(a: Node, b: Node) -> bool:
+    return a.loc is not None and b.loc is not None and (a.loc.file, a.loc.line) == (b.loc.file, b.loc.line)
+
+
 def _width(spans: list[Span]) -> int:
     return sum(hi - lo for lo, hi in spans)
-
-
-def _overlap(a: Span, b: Span) -> bool:
-    return a[0] < b[1] and b[0] < a[1]
 
 
 def _spans(spans: list[Span]) -> str:
