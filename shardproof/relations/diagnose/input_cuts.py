@@ -41,8 +41,7 @@ class InputCuts:
                 )
         return found
 
-    def _off_claim(self, name: str, by_rank: dict[int, Held],
-                   claim: Claimed) -> tuple[int, str] | None:
+    def _off_claim(self, name: str, by_rank: dict[int, Held], claim: Claimed) -> tuple[int, str] | None:
         """(rank, why) for the first rank whose cut of the input is not along a dim of the claimed
         dim's size at the spans the claim gives the rank, when the input has a dim of that size."""
         (kind, dim, *_), shape = claim
@@ -63,9 +62,9 @@ class InputCuts:
 
     def _input_cuts(self) -> dict[str, dict[int, Held]]:
         """Per input (its index), per rank that cuts it along one dim: the op whose value the
-        rank's program reads (the last of the loader's), that cut, and the dim's size."""
+        rank's program reads (the last of the loader's), that cut, and the input's shape."""
         found: dict[str, dict[int, Held]] = {}
-        for rank, graph in enumerate(self.ranks):
+        for rank in range(len(self.ranks)):
             for node in self._loaded_inputs(rank):
                 leaf = self._input_leaf(rank, node)
                 cut = self._cut_of(self.run.ranks[rank][node.id], self.run.ranks[rank][leaf.id])
