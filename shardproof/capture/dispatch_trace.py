@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import (
 from torch.utils._pytree import tree_flatten
 
 from shardproof.capture.hops import is_higher_order, through_dense
-from shardproof.capture.locations import forwards, is_user_code, tag_autograd_origin
+from shardproof.capture.locations import is_user_code, tag_autograd_origin
 from shardproof.errors import ShardproofError
 
 
@@ -148,18 +148,21 @@ class Recorder(TorchDispatchMode):
                     self.bind_all(item, item_node)
 
     def where(self) -> str:
-        """The innermost frame of the traced code outside torch and shardproof, as make_fx writes it."""
-        frame, wrapper = sys._getframe(2), ""
+        """The frames of the traced code outside torch and shardproof, outermost first, as make_fx
+        writes them (`locations.locate` takes the innermost but a wrapper's; the outer ones are
+        the calls that led there)."""
+        frame, found = sys._getframe(2), []
         while frame is not None and frame is not self.entry:
             file = frame.f_code.co_filename
             if is_user_code(file):
-                code = linecache.getline(file, frame.f_lineno).strip()
-                found = f'  File "{file}", line {frame.f_lineno}, in {frame.f_code.co_name}\n    {code}\n'
-                if not forwards(code):  # a wrapper's line: the site is where it was called (locations.forwards)
-                    return found
-                wrapper = wrapper or found
+                found.append(_frame_text(file, frame.f_lineno, frame.f_code.co_name))
             frame = frame.f_back
-        return wrapper
+        return "".join(reversed(found))
+
+
+@functools.lru_cache(maxsize=8192)
+def _frame_text(file: str, line: int, function: str) -> str:
+    return f'  File "{file}", line {line}, in {function}\n    {linecache.getline(file, line).strip()}\n'
 
 
 def _kept_on_meta(func: Any, args: tuple, kwargs: dict) -> dict:

@@ -206,8 +206,9 @@ def _innermost_user_frame(trace: str) -> Location | None:
         frames.pop()
     if not frames:
         return None
+    outer = tuple(Location(f["file"], int(f["line"]), f["code"].strip()) for f in frames[:-1])
     last = frames[-1]
-    return Location(last["file"], int(last["line"]), last["code"].strip())
+    return Location(last["file"], int(last["line"]), last["code"].strip(), calls=outer)
 
 
 _FORWARDING = re.compile(r"\(\s*\*\w+\s*,\s*\*\*\w+\s*\)")

@@ -15,6 +15,7 @@ from shardproof.relations.diagnose.candidates import TopCandidates
 from shardproof.relations.diagnose.collectives import CollectiveFaults
 from shardproof.relations.diagnose.dims import OtherDims
 from shardproof.relations.diagnose.finding import Finding
+from shardproof.relations.diagnose.grad_sync import GradientSync
 from shardproof.relations.diagnose.indices import IndexAxes
 from shardproof.relations.diagnose.input_cuts import Claimed, InputCuts
 from shardproof.relations.diagnose.lookups import MaskedLookups
@@ -38,7 +39,7 @@ from shardproof.report.terms import describe, line_of, placement, value_name
 
 class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOperands, OverlappingShards, MaskedLookups,
                 LayoutFaults, RankChunks, TopCandidates, MergeWeights, SwappedOperands,
-                MisplacedTerms, IndexAxes, OtherDims, UpstreamReductions, UnmaskedSlots, InputCuts):
+                MisplacedTerms, IndexAxes, OtherDims, UpstreamReductions, UnmaskedSlots, InputCuts, GradientSync):
     def __init__(self, run: Execution, reference: Graph, ranks: list[Graph], claims: bool = True):
         """`claims`: the outputs diagnosed are the case's claims, not a call's outputs compared as
         if whole, which a rank may rightly hold as a scaled share (a region of a reference term)."""

@@ -10,6 +10,7 @@ combined agreeing values, so no op diverges by itself; the outputs name the faul
 from __future__ import annotations
 
 from shardproof.ir.graph import Node
+from shardproof.ir.ops import OPS
 from shardproof.relations.diagnose.finding import Finding
 from shardproof.report.terms import describe, line_of, region, value_name
 
@@ -62,6 +63,14 @@ class MisplacedTerms:
         if not set(want) - set(have) <= held or not mine:
             return None
         culprit = self._introducing(rank, node, lambda t: any(a == t or a in self._lin_args(t) for a in mine))
+        over = sorted({rank, *elsewhere})
+        sync = self._step_sync(rank, culprit, node, set(over))
+        if OPS[sync.op].kind == "collective":
+            fix = f"sum {value_name(culprit)} over ranks {over} (an all-reduce) before the `{sync.op}` at {line_of(sync)}"
+        elif sync is not culprit:
+            fix = f"sum {value_name(culprit)} over ranks {over} (an all-reduce) after {line_of(sync)}"
+        else:
+            fix = f"sum {value_name(culprit)} over ranks {over} (an all-reduce) before it is used"
         return Finding(
             "discrepancy",
             "missing reduction",
@@ -69,6 +78,6 @@ class MisplacedTerms:
             f"{' and more' if len(mine) > 1 else ''} of the terms of the reference's sum but not the others, which "
             f"ranks {sorted(elsewhere)} hold: the reference's value is the sum of the ranks' parts, which no "
             "collective takes",
-            [(rank, culprit), (rank, node)],
-            fix=f"sum {value_name(culprit)} over ranks {sorted({rank, *elsewhere})} (an all-reduce) before it is used",
+            [(rank, sync), (rank, culprit), (rank, node)] if sync is not culprit else [(rank, culprit), (rank, node)],
+            fix=fix,
         )
