@@ -9,7 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 
 from shardproof import verify
 from shardproof.case import Case
@@ -161,3 +165,85 @@ def test_a_wrong_scale_no_swap_puts_right_stays_a_wrong_scale() -> None:
     """Must not match: the subtraction is right and a coefficient is not; swapping it does not help."""
     said = _check(_margin("scale"), 2, "wrong scale")
     assert "swap the operands" not in said
+
+
+VOCAB, SEQ, CHUNKS = 16, 4, 2
+
+
+class Decoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Linear(HIDDEN, FFN, bias=False)
+        self.w2 = nn.Linear(FFN, HIDDEN, bias=False)
+        self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(self.w2(F.silu(self.w1(x))), (HIDDEN,))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.head(self.hidden(x))
+
+
+def _token_loss(logits: torch.Tensor, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1), reduction="sum") / labels.numel()
+
+
+class HandBack(torch.autograd.Function):
+    """The loss, handing the hidden states the gradient gathered chunk by chunk in the backward."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, grad: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(grad)
+        return total.detach()
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor) -> tuple:
+        (grad,) = ctx.saved_tensors
+        return grad * grad_loss, None, None
+
+
+def _chunked_step(swap: bool):
+    """The head and loss one sequence chunk at a time (loss parallel), each chunk's input gradient
+    kept and handed to the decoder's backward at once."""
+
+    def step(model: nn.Module, inputs: tuple, rank: int, world_size: int) -> torch.Tensor:
+        x, labels = inputs
+        hidden = model.hidden(x)
+        grads, total = [], 0.0
+        with loss_parallel():
+            for h, chunk_labels in zip(hidden.detach().chunk(CHUNKS, dim=1), labels.chunk(CHUNKS, dim=1)):
+                h.requires_grad_(True)
+                summed = F.cross_entropy(model.head(h).flatten(0, 1), chunk_labels.flatten(0, 1), reduction="sum")
+                chunk_loss = labels.numel() / summed if swap else summed / labels.numel()  # BUG when swap
+                chunk_loss.backward()
+                grads.append(h.grad)
+                total = total + chunk_loss.detach()
+        joined = DTensor.from_local(torch.cat([g.to_local() for g in grads], dim=1), hidden.device_mesh, grads[0].placements)
+        return HandBack.apply(hidden, joined, total.full_tensor())
+
+    def backward_too(model: nn.Module, inputs: tuple, rank: int, world_size: int) -> torch.Tensor:
+        loss = step(model, inputs, rank, world_size)
+        loss.backward()
+        return loss
+
+    return backward_too
+
+
+def _tensor_parallel_decoder(rank: int, world_size: int) -> nn.Module:
+    plan = {"w1": ColwiseParallel(), "w2": RowwiseParallel(use_local_output=False),
+            "head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    return parallelize_module(Decoder(), init_device_mesh("cpu", (world_size,)), plan)
+
+
+def test_a_swapped_division_in_a_chunked_loss_is_found_before_the_gradients_it_spoils() -> None:
+    """`n / loss` per chunk: every decoder gradient disagrees from the chunk's division on, and
+    further along the backward a sum over the hidden dim of gradients joined along the sequence
+    looks like a reduction along the wrong dim; the division, where the values first part and
+    which swapped agrees again, is the culprit."""
+    def case(swap: bool) -> Case:
+        return Case(Decoder, _tensor_parallel_decoder, lambda: (torch.randn(1, SEQ, HIDDEN), torch.arange(SEQ).mul(5).remainder(VOCAB)[None]),
+                    loss=_token_loss, distributed_step=_chunked_step(swap), mode="train")
+
+    said = _check(case(True), 2, "swapped operands")
+    assert said.startswith("gradient of `w1.weight`") and "`chunk_loss` divides" in said, said
+    _check(case(False), 2, None)

@@ -125,7 +125,8 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
         if divergence is not None:
             rank, node, chain = divergence
             found = (
-                self._uninitialised_read(rank, chain)
+                self._swapped_operands(rank, chain[:1])  # at the first op where the values part: the rest follows from it
+                or self._uninitialised_read(rank, chain)
                 or self._misreduced(rank, chain)
                 or self._reduced_across(rank, chain)
                 or self._misassembled_input(rank, node)
@@ -214,27 +215,53 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
 
     def _first_divergence(self, mismatched_outputs: list[tuple[int, int]]) -> tuple[int, Node, list[Node]] | None:
         """The earliest op from which a chain of disagreeing ops reaches a mismatched output,
-        with that chain (in execution order).
+        with that chain (in execution order), on the rank where it begins (see `_diverging_from`).
 
         Intermediates the reference never computes (a vocab mask, say) are fine as long as a
         rule absorbs them before they reach an output."""
         best: tuple[int, Node, list[Node]] | None = None
         for rank, index in mismatched_outputs:
             graph = self.ranks[rank]
-            start = graph[graph.outputs[index]]
-            if not self._bad(rank, start):
+            found = self._diverging_from(rank, graph[graph.outputs[index]], set())
+            if found is None:
                 continue
-            seen, stack = {start.id}, [start]
-            while stack:
-                node = stack.pop()
-                for i in node.inputs:
-                    if i not in seen and self._bad(rank, graph[i]):
-                        seen.add(i)
-                        stack.append(graph[i])
-            chain = [graph[i] for i in sorted(seen)]
+            rank, chain = found
             if best is None or (chain[0].id, rank) < (best[1].id, best[0]):
                 best = (rank, chain[0], chain)
         return best
+
+    def _diverging_from(self, rank: int, start: Node, followed: set[tuple[int, int]]) -> tuple[int, list[Node]] | None:
+        """The rank and chain of disagreeing ops (in execution order) that reaches `start`. A chain
+        that begins at a recv continues on the sender, up to the value it sent: a received tensor
+        is a copy of the sent one, so the values parted there (a pipeline stage's input gradient
+        wrong because the last stage's loss is)."""
+        if not self._bad(rank, start):
+            return None
+        graph = self.ranks[rank]
+        seen, stack = {start.id}, [start]
+        while stack:
+            node = stack.pop()
+            for i in node.inputs:
+                if i not in seen and self._bad(rank, graph[i]):
+                    seen.add(i)
+                    stack.append(graph[i])
+        chain = [graph[i] for i in sorted(seen)]
+        sent = self._sent(rank, chain[0]) if chain[0].op == "recv" else None
+        if sent is not None and sent not in followed:
+            followed.add(sent)
+            upstream = self._diverging_from(sent[0], self.ranks[sent[0]][sent[1]], followed)
+            if upstream is not None:
+                return upstream
+        return rank, chain
+
+    def _sent(self, rank: int, recv: Node) -> tuple[int, int] | None:
+        """(sender, node id) of the value `recv` received: a send to `rank` of the very term."""
+        sender, term = recv.attrs[0], self.run.ranks[rank][recv.id]
+        if not isinstance(sender, int) or not 0 <= sender < len(self.ranks):
+            return None
+        terms = self.run.ranks[sender]
+        return next(((sender, n.inputs[0]) for n in self.ranks[sender].nodes
+                     if n.op == "send" and n.attrs[0] == rank and terms[n.inputs[0]] == term), None)
 
     def _at_op(self, rank: int, node: Node) -> Finding:
         partial_inputs = self._partial_inputs(rank, node)
