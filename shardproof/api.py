@@ -69,7 +69,7 @@ def verify(
         captured = capture(case, n, progress, mode, memo, placement(backend, case, n, memo, ray_address))
         numbers = functools.partial(run_numeric, case, n, mode=mode)
         yield Candidate(captured, n, numbers, _state_elements(captured.reference), caveat=_indivisible(captured, n),
-                        entries=_entries(case))
+                        entries=_entries(case), builds=_start(case.distributed))
 
     with case.importable():
         return verify_candidates(front_end, n, progress)
@@ -78,12 +78,13 @@ def verify(
 def _entries(case: Case) -> frozenset[tuple[str, int]]:
     """Where the distributed side's own functions start (file, first line; a class's `__init__`):
     the report follows a rank back only through the calls they make."""
-    found = set()
-    for function in (case.distributed, case.shard_state, case.shard_input, case.distributed_step):
-        code = getattr(function.__init__ if isinstance(function, type) else function, "__code__", None)
-        if code is not None:
-            found.add((code.co_filename, code.co_firstlineno))
-    return frozenset(found)
+    starts = (_start(f) for f in (case.distributed, case.shard_state, case.shard_input, case.distributed_step))
+    return frozenset(start for start in starts if start is not None)
+
+
+def _start(function: Callable | None) -> tuple[str, int] | None:
+    code = getattr(function.__init__ if isinstance(function, type) else function, "__code__", None)
+    return None if code is None else (code.co_filename, code.co_firstlineno)
 
 
 def _state_elements(reference: Graph) -> int:

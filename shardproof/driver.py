@@ -21,7 +21,7 @@ from shardproof.partition.structure import structural
 from shardproof.programs import Captured, NumericResult
 from shardproof.prove import Proof, prove
 from shardproof.report.model import Report, Site
-from shardproof.report.rank_flow import NUMBER, chosen_on, rank_choice
+from shardproof.report.rank_flow import NUMBER, chosen_on, rank_choice, returned_at
 from shardproof.report.role_flow import role_first
 
 
@@ -38,6 +38,7 @@ class Candidate:
     outputs_compared: str | None = None  # "3 of 5" when only some outputs are claims
     caveat: str = ""  # what the proof could not see, added to a diagnosis
     entries: frozenset[tuple[str, int]] = frozenset()  # where the distributed side's functions start (rank_flow)
+    builds: tuple[str, int] | None = None  # where the function building a rank's model starts (file, first line)
 
 
 def verify_candidates(
@@ -113,10 +114,27 @@ def _report(proof: Proof, candidate: Candidate, seconds: float) -> Report:
         report.distributed = _rank_choice_first(located, candidate.entries)
         if finding.kind == "unmatched message" and report.distributed[:1] == located[:1]:  # no rank lost to the peer's
             report.distributed = role_first(report.distributed, finding.distributed, captured.ranks, candidate.entries)
+        if captured.unheld and candidate.builds is not None:
+            _unheld_first(report, captured.unheld, candidate.builds)
         report.reference = _located_first(_unique([_site(node, None) for node in finding.reference]))
         if finding.verdict == "unknown":
             report.unknown = {"op": finding.op or "", "reason": report.diagnosis}
     return report
+
+
+def _unheld_first(report: Report, name: str, builds: tuple[str, int]) -> None:
+    """A parameter the reference trains that no rank's model holds is a fault whatever the proof
+    finds, and the faults found follow from it (a stage without its layers computes other values):
+    the line returning a rank's model leads, with what to do there."""
+    found = returned_at(*builds)
+    if found is None:
+        return
+    line, code = found
+    rank = report.distributed[0].rank if report.distributed else 0
+    built = Site(builds[0], line, code, f"no rank's model holds `{name}`", rank)
+    report.distributed = _unique([built, *report.distributed])
+    report.diagnosis += f"; note: no rank's model holds `{name}`, which the reference trains"
+    report.fix = f"build the ranks' models at line {line} of {builds[0].rsplit('/', 1)[-1]} so that one of them holds `{name}`"
 
 
 def _sites(node: Node, rank: int) -> list[Site]:

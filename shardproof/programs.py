@@ -49,6 +49,7 @@ class Captured:
     checks: list[Check]
     seconds: float
     refused: str = ""  # the case's breach of contract (steps.Program.refused): unusable unless a claim fails
+    unheld: str = ""  # a parameter the reference trains that no rank's model holds (steps.Program.unheld)
 
 
 @dataclass

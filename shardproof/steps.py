@@ -58,6 +58,7 @@ class Program:
     bound: tuple[int, ...] = ()  # reference outputs each rank program receives
     refused = ""  # why the case breaks its contract, stated once the claims are made: it is unusable
     # input unless a claim that can be checked without what is missing is found failing
+    unheld = ""  # a parameter the reference trains that no rank's model holds: the models are built wrong
     loads_separately = True  # `rank` is `load` then `run_loaded`: capture may trace the loader on its own
     differentiates = False  # no gradient flows through the traced program
 
@@ -164,6 +165,7 @@ class TrainingProgram(Program):
         # what is missing cannot be claimed, but the rest can still be judged: a program whose stages are
         # assigned wrong (no rank is the last) computes it wrong, and that is a discrepancy
         if missing:
+            self.unheld = missing[0]
             self.refused = f"no rank trains `{missing[0]}`, which the reference trains"
         elif not any(trained.loss for _, trained in runs):
             self.refused = "no rank returns the loss: distributed_step must return it on the ranks that compute it"

@@ -2,7 +2,8 @@
 named first at the line that chose it, before the op whose offset it makes, also when a list
 index pinned it to an int; a rank lost (a constant passed for it) at the line that passes the
 constant; a neighbour picked on the line that uses it there, not where the rank was first
-regrouped, unless a number was given for the rank further back. The buggy programs disagree
+regrouped, unless a number was given for the rank further back; a parameter the reference trains
+that no rank's model holds, at the line returning a rank's model. The buggy programs disagree
 numerically and are found there; the fixed twin is proven and agrees."""
 
 from __future__ import annotations
@@ -104,3 +105,37 @@ def test_a_number_further_back_comes_before_a_neighbour_picked_on_the_first_line
     assert report.verdict == "discrepancy", report.diagnosis
     first = report.distributed[0]
     assert "Embedding(0, world_size)" in first.code and "a number" in first.op, report.distributed
+
+
+class Perceptron(nn.Module):
+    def __init__(self, bias: bool = True, twice: bool = False):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(HIDDEN, HIDDEN), nn.Linear(HIDDEN, HIDDEN, bias=bias)
+        self.twice = twice
+
+    def forward(self, x: torch.Tensor, *targets: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)) * (2 if self.twice else 1))  # BUG when twice
+
+
+def replicated(bug: str):
+    def distributed(rank: int, world_size: int) -> nn.Module:
+        return Perceptron(bias=bug != "unheld", twice=bug == "twice")  # BUG when unheld
+
+    return Case(Perceptron, distributed, lambda: (torch.randn(TOKENS, HIDDEN), torch.randn(TOKENS, HIDDEN)),
+                loss=lambda out, x, target: ((out - target) ** 2).mean(), mode="train")
+
+
+@pytest.mark.parametrize(("bug", "unheld"), [("unheld", True), ("twice", False)])
+def test_a_parameter_no_rank_holds_is_named_at_the_line_returning_a_rank_model(bug: str, unheld: bool) -> None:
+    """No rank's model has `fc2.bias`: whatever the proof finds follows from it; the line returning
+    the model leads. Must not match: every parameter held, the fault is the forward's."""
+    buggy = replicated(bug)
+    assert not run_numeric(buggy, 2).agree
+    report = verify(buggy, world_size=2)
+    assert report.verdict == "discrepancy", report.diagnosis
+    first = report.distributed[0]
+    assert Path(first.file).name == Path(__file__).name and f"# BUG when {bug}" in first.code, report.distributed
+    assert ("no rank's model holds `fc2.bias`" in report.diagnosis) == unheld, report.diagnosis
+    assert ("so that one of them holds `fc2.bias`" in report.fix) == unheld, report.fix
+    fixed = replicated("")
+    assert verify(fixed, world_size=2).verdict == "equivalent" and run_numeric(fixed, 2).agree

@@ -98,7 +98,8 @@ def capture(
         if session.reference_on_meta and session.off_meta:  # traced alike (see `_trace_reference`)
             reference = _trace_reference(session, memo, progress)
         claims = session.program.claims(len(reference.outputs), [(len(graph.outputs), trained) for graph, trained in ranks])
-    return Captured(reference, [graph for graph, _ in ranks], claims, time.perf_counter() - start, session.program.refused)
+    return Captured(reference, [graph for graph, _ in ranks], claims, time.perf_counter() - start, session.program.refused,
+                    session.program.unheld)
 
 
 def capture_ranks(case: Case, world_size: int, ranks: list[int], memo: bool = True) -> list[Graph]:

@@ -81,6 +81,21 @@ def chosen_on(file: str, line: int) -> RankChoice | None:
     return None if source is None else source.on_line(line)
 
 
+def returned_at(file: str, first_line: int) -> tuple[int, str] | None:
+    """The line (and its code) of the last value the function starting at `first_line` returns (a
+    lambda's body); None when the file cannot be read or no such function returns a value."""
+    source = source_of(file)
+    functions = [] if source is None else [n for n in ast.walk(source.tree) if isinstance(
+        n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) and _first_line(n) == first_line]
+    if not functions:
+        return None
+    function = functions[0]
+    values = [function.body] if isinstance(function, ast.Lambda) else \
+        [n for n in _own_nodes(function) if isinstance(n, ast.Return) and n.value is not None]
+    line = max((n.lineno for n in values), default=None)
+    return None if line is None else (line, source.lines[line - 1].strip())
+
+
 def source_of(file: str) -> _Source | None:
     """`file` parsed as it is now (None if it cannot be read or parsed)."""
     stamp = _stamp(file)
