@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from shardproof.report.rank_flow import NUMBER, REGROUPED, chosen_on, rank_choice
+from shardproof.report.rank_flow import NUMBER, REGROUPED, chosen_on, rank_choice, returned_at
 
 PROGRAMS = {
     "a constructor given 0": """
@@ -307,3 +307,26 @@ def test_a_constructor_in_another_file_given_0_by_the_case(tmp_path: Path, passe
         assert choice is not None and (choice.file, choice.line) == (str(case), entry + 1) and choice.what == NUMBER
     else:
         assert choice is None, choice
+
+
+def test_the_line_a_function_returns_its_value_from(tmp_path: Path) -> None:
+    """The function's own last `return` of a value (not a nested function's, not a bare one), a
+    lambda's body; none for a function returning nothing or a line no function starts at."""
+    path = tmp_path / "built.py"
+    path.write_text(textwrap.dedent("""\
+        def distributed(rank, world_size):
+            def helper():
+                return 0
+            if rank:
+                return Stack(rank)
+            return Stack(helper())
+
+        build = lambda rank, world_size: Stack(rank)
+
+        def nothing():
+            return
+        """))
+    assert returned_at(str(path), 1) == (6, "return Stack(helper())")
+    assert returned_at(str(path), 8) == (8, "build = lambda rank, world_size: Stack(rank)")
+    assert returned_at(str(path), 10) is None and returned_at(str(path), 4) is None
+    assert returned_at(str(tmp_path / "gone.py"), 1) is None
