@@ -22,7 +22,8 @@ from shardproof.partition.templates import expand, has_calls
 from shardproof.programs import Captured, Check, Output, zigzag_chunks
 from shardproof.relations.diagnose import Diagnoser, Finding
 from shardproof.relations.diagnose.agreement import unreduced
-from shardproof.relations.diagnose.input_cuts import Claimed
+from shardproof.relations.diagnose.input_cuts import Claimed, claimed_spans
+from shardproof.relations.diagnose.other_share import Shared
 from shardproof.relations.execute import CollectiveMismatch, Execution, execute
 from shardproof.relations.layout import box_along
 from shardproof.relations.rules import Rules
@@ -133,7 +134,8 @@ def _judged(
         if unproven:
             diagnoser = diagnoser or Diagnoser(run, reference, ranks, claims)
             finding = diagnoser.diagnose(unproven, _expected_terms(run, ranks, check, unproven),
-                                         _replicated_term(run, reference, check) if claims else None, layout)
+                                         _replicated_term(run, reference, check) if claims else None, layout,
+                                         _shared(run, reference, check) if claims else None)
             if finding.verdict == "unknown" and claims:
                 finding = _misshapen(diagnoser, reference, ranks, check, unproven) or finding
             findings.append(_about(check, finding, named=len(checks) > 1))
@@ -164,6 +166,13 @@ def _replicated_term(run: Execution, reference: Graph, check: Check) -> int | No
     if check.relation in ("rank", "loss") or check.relation[0] in ("shard", "zigzag"):
         return None
     return run.reference[reference.outputs[check.expected]]
+
+
+def _shared(run: Execution, reference: Graph, check: Check) -> Shared | None:
+    """A claim cutting a reference output over all ranks, with that output's term."""
+    if check.ranks is not None or check.relation in ("rank", "loss") or check.relation[0] not in ("shard", "zigzag"):
+        return None
+    return check.relation, run.reference[reference.outputs[check.expected]]
 
 
 def _misshapen(diagnoser: Diagnoser, reference: Graph, ranks: list[Graph], check: Check, unproven: list[tuple[int, int]]) -> Finding | None:
@@ -207,7 +216,10 @@ def unproven_outputs(run: Execution, reference: Graph, ranks: list[Graph], check
         return [(g.rank, check.actual) for g in ranks]
     if check.relation[0] in ("shard", "zigzag"):
         whole = _joined(rules, actual, check.relation, len(rules.shape(wanted)))
-        return [] if whole is not None and same(whole, wanted) else [(g.rank, check.actual) for g in ranks]
+        if whole is not None and same(whole, wanted):
+            return []
+        off = [g for i, (g, a) in enumerate(zip(ranks, actual)) if not _holds_share(rules, a, wanted, check.relation, i, len(ranks), same)]
+        return [(g.rank, check.actual) for g in off or ranks]
     return [(g.rank, check.actual) for g, a in zip(ranks, actual) if not same(a, wanted)]
 
 
@@ -223,6 +235,18 @@ def _joined(rules: Rules, actual: list[int], relation: Output, ndim: int) -> int
             return None
         halves.append([rules.slice(term, box_along(rules.shape(term), dim, h * size // 2, (h + 1) * size // 2)) for h in (0, 1)])
     return rules.cat([halves[rank][half] for rank, half in zigzag_chunks(len(actual))], dim)
+
+
+def _holds_share(rules: Rules, term: int, wanted: int, relation: Output, index: int, holders: int,
+                 same: Callable[[int, int], bool]) -> bool:
+    """Whether the `index`-th holder's output is proven the share of `wanted` the claim gives it:
+    such a rank is no fault of the joined output's, whatever the others hold."""
+    shape = rules.shape(wanted)
+    dim = relation[1] % len(shape)
+    spans = claimed_spans(relation[0], shape[dim], index, holders)
+    if spans is None:
+        return False
+    return same(term, rules.cat([rules.slice(wanted, box_along(shape, dim, lo, hi)) for lo, hi in spans], dim))
 
 
 def _equal(run: Execution, term: int, expected: int) -> bool:

@@ -22,6 +22,7 @@ from shardproof.relations.diagnose.lookups import MaskedLookups
 from shardproof.relations.diagnose.merges import MergeWeights
 from shardproof.relations.diagnose.misplaced import MisplacedTerms
 from shardproof.relations.diagnose.missing_reduction import MissingReductions
+from shardproof.relations.diagnose.other_share import OtherShares, Shared
 from shardproof.relations.diagnose.overlap import OverlappingShards
 from shardproof.relations.diagnose.reads import CollectiveOperands
 from shardproof.relations.diagnose.shards import RankChunks
@@ -39,7 +40,8 @@ from shardproof.report.terms import describe, line_of, placement, value_name
 
 class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOperands, OverlappingShards, MaskedLookups,
                 LayoutFaults, RankChunks, TopCandidates, MergeWeights, SwappedOperands,
-                MisplacedTerms, IndexAxes, OtherDims, UpstreamReductions, UnmaskedSlots, InputCuts, GradientSync):
+                MisplacedTerms, IndexAxes, OtherDims, UpstreamReductions, UnmaskedSlots, InputCuts, GradientSync,
+                OtherShares):
     def __init__(self, run: Execution, reference: Graph, ranks: list[Graph], claims: bool = True):
         """`claims`: the outputs diagnosed are the case's claims, not a call's outputs compared as
         if whole, which a rank may rightly hold as a scaled share (a region of a reference term)."""
@@ -85,13 +87,17 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
 
     # --- entry --------------------------------------------------------------------------------------
     def diagnose(self, mismatched_outputs: list[tuple[int, int]], expected: dict[tuple[int, int], int] | None = None,
-                 whole: int | None = None, claim: Claimed | None = None) -> Finding:
+                 whole: int | None = None, claim: Claimed | None = None, shared: Shared | None = None) -> Finding:
         """`mismatched_outputs`: (rank, output index) pairs whose value was not proven; `expected`,
         where known, the term each of them must equal (a state after the step); `whole`, the
         reference value each must equal, for a replicated output; `claim`, the layout the outputs
-        are claimed in, with the reference output's shape. A discrepancy is led by the loader's
-        cut of an input that takes another share than the rank's (input_cuts.py)."""
+        are claimed in, with the reference output's shape; `shared`, for outputs claimed as shards
+        over all ranks, that claim's layout with the reference output's term (other_share.py). A
+        discrepancy is led by the loader's cut of an input that takes another share than the rank's
+        (input_cuts.py)."""
         found = self._diagnosed(mismatched_outputs, expected, whole)
+        if found.verdict == "unknown":
+            found = self._other_share(mismatched_outputs, shared) or found
         return self._input_cut_first(found, claim) if found.verdict == "discrepancy" else found
 
     def _diagnosed(self, mismatched_outputs: list[tuple[int, int]], expected: dict[tuple[int, int], int] | None,

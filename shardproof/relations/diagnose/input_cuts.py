@@ -7,7 +7,7 @@ part, the fault is at the cut. A part of `Diagnoser`.
 
 from __future__ import annotations
 
-from shardproof.ir.graph import Node
+from shardproof.ir.graph import Graph, Node
 from shardproof.programs import Output, zigzag_chunks
 from shardproof.relations.diagnose.finding import Finding
 from shardproof.relations.diagnose.overlap import Span
@@ -55,27 +55,27 @@ class InputCuts:
             if full[cut_dim] == size and _joined(spans) == _joined(wanted):
                 continue
             claimed = "Shard" if kind == "shard" else "zigzag"
-            return rank, (f"rank {rank} cuts its shard of `inputs()[{name}]` at {_spans(spans)} along dim {cut_dim}, "
-                          f"where the output is claimed as {claimed}({dim}): rank {rank}'s {_spans(wanted)} of a dim "
+            return rank, (f"rank {rank} cuts its shard of `inputs()[{name}]` at {spans_text(spans)} along dim {cut_dim}, "
+                          f"where the output is claimed as {claimed}({dim}): rank {rank}'s {spans_text(wanted)} of a dim "
                           f"of size {size}")
         return None
 
     def _input_cuts(self) -> dict[str, dict[int, Held]]:
         """Per input (its index), per rank that cuts it along one dim: the op whose value the
-        rank's program reads (the last of the loader's), that cut, and the input's shape."""
+        rank's program reads (the loader's last), that cut, and the input's shape."""
         found: dict[str, dict[int, Held]] = {}
         for rank in range(len(self.ranks)):
-            for node in self._loaded_inputs(rank):
-                leaf = self._input_leaf(rank, node)
-                cut = self._cut_of(self.run.ranks[rank][node.id], self.run.ranks[rank][leaf.id])
-                if cut is not None and node.loc is not None:
-                    name = str(leaf.attrs[0]).partition(":")[2]
-                    found.setdefault(name, {})[rank] = (node, cut, self.r.shape(self.run.ranks[rank][leaf.id]))
+            graph, terms = self.ranks[rank], self.run.ranks[rank]
+            for leaf, within in self._loaded_inputs(rank).items():
+                held = self._returned_cut(rank, leaf, within)
+                if held is not None and held[0].loc is not None:
+                    name = str(graph[leaf].attrs[0]).partition(":")[2]
+                    found.setdefault(name, {})[rank] = (*held, self.r.shape(terms[leaf]))
         return found
 
-    def _loaded_inputs(self, rank: int) -> list[Node]:
-        """The values of the loader's ops on one input each (cuts and joins of regions of it) that
-        ops of the program read: what `shard_input` returned."""
+    def _loaded_inputs(self, rank: int) -> dict[int, dict[int, bool]]:
+        """Per input leaf, the loader's ops on it alone (cuts and joins of regions of it), each
+        with whether an op of the program reads it."""
         graph = self.ranks[rank]
         leaf_of: dict[int, int] = {}
         for node in graph.nodes:
@@ -85,13 +85,38 @@ class InputCuts:
                     and len({leaf_of[i] for i in node.inputs}) == 1:
                 leaf_of[node.id] = leaf_of[node.inputs[0]]
         read = {i for node in graph.nodes if node.id not in leaf_of for i in node.inputs} | set(graph.outputs)
-        return [graph[i] for i in sorted(read) if i in leaf_of and graph[i].op != "leaf"]
+        by_leaf: dict[int, dict[int, bool]] = {}
+        for i, leaf in leaf_of.items():
+            if i != leaf:
+                by_leaf.setdefault(leaf, {})[i] = i in read
+        return {leaf: within for leaf, within in by_leaf.items() if any(within.values())}
 
-    def _input_leaf(self, rank: int, node: Node) -> Node:
-        graph = self.ranks[rank]
-        while node.op != "leaf":
-            node = graph[node.inputs[0]]
-        return node
+    def _returned_cut(self, rank: int, leaf: int, within: dict[int, bool]) -> tuple[Node, Cut] | None:
+        """The last op every value the program reads of the input `leaf` passes through (what
+        `shard_input` returned) that is a cut of it, with that cut. The program may itself cut
+        and reorder regions of what it got (the rows an all-to-all sends, sorted by destination):
+        such an op is no cut of a share, and the one before it is tried."""
+        graph, terms = self.ranks[rank], self.run.ranks[rank]
+        reads = [i for i, read in within.items() if read]
+        for op in sorted(within, reverse=True):
+            if self._passes_through(graph, reads, op, leaf):
+                cut = self._cut_of(terms[op], terms[leaf])
+                if cut is not None:
+                    return graph[op], cut
+        return None
+
+    @staticmethod
+    def _passes_through(graph: Graph, reads: list[int], op: int, leaf: int) -> bool:
+        """Whether every path from the values read back to `leaf` passes `op`."""
+        seen, stack = {op}, [i for i in reads if i != op]
+        while stack:
+            i = stack.pop()
+            if i == leaf:
+                return False
+            if i not in seen:
+                seen.add(i)
+                stack.extend(graph[i].inputs)
+        return True
 
     def _cut_of(self, t: int, leaf: int) -> Cut | None:
         """The one dim along which the regions of the input `leaf` that `t` joins (or is) are
@@ -144,7 +169,8 @@ def _width(spans: list[Span]) -> int:
     return sum(hi - lo for lo, hi in spans)
 
 
-def _spans(spans: list[Span]) -> str:
+def spans_text(spans: list[Span]) -> str:
+    """Spans as a person writes them: `[0:4), [12:16)`."""
     return ", ".join(f"[{lo}:{hi})" for lo, hi in spans)
 
 
