@@ -18,6 +18,7 @@ import re
 import sys
 import sysconfig
 import traceback
+from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 from typing import Any, Callable, Iterator
@@ -127,8 +128,9 @@ def locator(gm: fx.GraphModule) -> Callable[[fx.Node], Location | None]:
         origin = origin_of(node)
         if origin is None:
             return locate(node)
-        found = locate(origin)
-        return None if found is None else Location(found.file, found.line, found.code, backward=True)
+        found, run_by = locate(origin), locate(node)
+        calls = () if run_by is None else (*run_by.calls, replace(run_by, calls=()))
+        return None if found is None else Location(found.file, found.line, found.code, backward=True, calls=calls)
 
     return locate_in_graph
 

@@ -22,8 +22,9 @@ class Location:
     # another line that chose the rank this op's offsets stand for (a remainder or quotient of the
     # rank: RankExpr.origin); a wrong rank is fixed there, not where its offset is used
     rank_chosen: Location | None = None
-    # the user's frames that led to this line, outermost first (the step, the helper it calls): a
-    # sync a collective lacks goes beside the helper's call of it. Not part of the site's identity.
+    # the user's frames that led to this line, outermost first (the step, the helper it calls); for
+    # an op of a backward formula, those of the `backward()` call that ran it: where a gradient the
+    # formula leaves unreduced is next in the user's hands. Not part of the site's identity.
     calls: tuple[Location, ...] = field(default=(), compare=False)
 
     def short(self) -> str:

@@ -76,6 +76,8 @@ def _inline(out: Graph, template: Template, inputs: tuple[int, ...], site: Locat
             loc = node.loc
             if site is not None and _same_line(loc, template.site):
                 loc = replace(site, backward=loc.backward)
+            if site is not None and site.backward and loc is not None and loc.backward:
+                loc = replace(loc, calls=site.calls)  # run by the `backward()` that ran the call (Location.calls)
             new_id.append(out.add(node.op, args, node.attrs, node.shape, node.dtype, node.name, loc))
     return [new_id[i] for i in body.outputs]
 

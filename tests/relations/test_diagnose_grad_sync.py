@@ -1,11 +1,15 @@
-"""A tied weight's copies never summed, named where the user's step syncs the gradient
-(relations/diagnose/grad_sync.py): at the sync helper's line of a collective that leaves out the
-rank holding the other copy, else after the step's last accumulation of it. Each buggy program
-disagrees numerically; the fixed twin is proven and agrees."""
+"""A gradient's missing reduction named where the user's step syncs it (relations/diagnose/grad_sync.py):
+after the `backward()` call that hands a share over unreduced, at the sync helper's line of a
+collective that leaves out ranks holding the rest of the sum, else after the step's last
+accumulation of it. Not when the share goes on through the backward (the model's fault), nor when
+shardproof's own step runs the backward. Each buggy program disagrees numerically; each fixed twin
+is proven and agrees."""
 
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,9 +23,68 @@ from shardproof.oracle import run_numeric
 HIDDEN, BATCH = 4, 8
 
 
+class _Proj(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(HIDDEN, HIDDEN))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)  # FORWARD
+
+
 def _line(source, text: str) -> int:
     lines, start = inspect.getsourcelines(source)
     return start + next(i for i, line in enumerate(lines) if text in line)
+
+
+def _sync_grads(model: nn.Module) -> None:
+    for param in model.parameters():
+        dist.all_reduce(param.grad)
+
+
+def _data_parallel_step(synced: bool):
+    def step(model: nn.Module, inputs: tuple, rank: int, world_size: int) -> torch.Tensor:
+        (x,) = inputs
+        value = F.mse_loss(model(x), x) / world_size
+        value.backward()  # BACKWARD
+        if synced:
+            _sync_grads(model)
+        total = value.detach().clone()
+        dist.all_reduce(total)
+        return total
+    return step
+
+
+def _data_parallel(synced: bool | None) -> Case:
+    """Data parallelism over the batch; the step's own (`synced`: with its gradient sync), or
+    shardproof's (None), which syncs nothing."""
+    step = None if synced is None else _data_parallel_step(synced)
+    return Case(_Proj, lambda r, n: _Proj(), lambda: (torch.randn(BATCH, HIDDEN),),
+                shard_input=lambda i, full, r, n: full.chunk(n)[r], loss=lambda out, x: F.mse_loss(out, x),
+                distributed_step=step, mode="train")
+
+
+def test_a_gradient_sync_the_step_skips_is_named_after_its_backward_call() -> None:
+    buggy = _data_parallel(False)
+    report = verify(buggy, world_size=2)
+    assert not run_numeric(buggy, 2).agree
+    assert report.verdict == "discrepancy" and report.kind == "missing reduction", report.diagnosis
+    first = report.distributed[0]
+    assert (Path(first.file).name, first.line) == (Path(__file__).name, _line(_data_parallel_step, "# BACKWARD")), first
+    assert f"after the backward call at line {first.line}" in report.fix
+    assert any(s.line == _line(_Proj, "# FORWARD") for s in report.distributed[1:]), report.distributed
+    fixed = _data_parallel(True)
+    assert verify(fixed, world_size=2).verdict == "equivalent" and run_numeric(fixed, 2).agree
+
+
+def test_without_a_step_of_the_users_the_share_stays_at_its_forward_line() -> None:
+    """shardproof's default step runs the backward: no line of the user's calls it."""
+    case = _data_parallel(None)
+    report = verify(case, world_size=2)
+    assert not run_numeric(case, 2).agree
+    assert report.kind == "missing reduction", report.diagnosis
+    assert report.distributed[0].line == _line(_Proj, "# FORWARD"), report.distributed
+    assert "backward call" not in report.fix
 
 
 class _Tied(nn.Module):

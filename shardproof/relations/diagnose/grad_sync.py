@@ -4,7 +4,9 @@ A gradient that autograd leaves as each rank's share (a sequence-parallel norm's
 weight's two copies) is synced by the step after `backward()` returns: a grad-sync helper the step
 calls all-reduces it before the optimizer reads it. When that sync is missing, the line to change is
 in the step, not the forward line whose backward formula made the share, nor the line where the
-optimizer next reads it. So a tied weight's copies left unsummed are named, first:
+optimizer next reads it. So such a finding names, first:
+- the `backward()` call that hands the share over, when the share leaves autograd's formulas
+  unreduced (later ops of the backward computing with it would make it the model's fault instead);
 - the line of the step's gradient sync the share goes through without the ranks holding the rest of
   its sum (the sync helper's line, one call in from the step), when there is one;
 - else the step's last op accumulating it (`main_grad.add_(p.grad)`), after which the sync goes.
@@ -20,6 +22,20 @@ from shardproof.relations.diagnose.agreement import LAYOUT_OPS
 
 
 class GradientSync:
+    def _after_backward(self, rank: int, point: Node, consumer: Node) -> Node | None:
+        """`point` (an op of a backward formula making shares of a sum) seen at the `backward()`
+        call that ran it, when its shares reach `consumer` only through moves and additions of
+        shares outside any backward formula: a gradient handed over unreduced. None otherwise."""
+        loc = point.loc
+        if loc is None or not loc.backward or not loc.calls:
+            return None
+        for n in self._partial_chain(rank, consumer):
+            if n.id <= point.id or n.op in LAYOUT_OPS:
+                continue
+            if n.loc is not None and n.loc.backward or n.op != "add" and n is not consumer:
+                return None
+        return replace(point, loc=replace(loc.calls[-1], backward=True, calls=loc.calls[:-1]))
+
     def _step_sync(self, rank: int, start: Node, node: Node, holders: set[int]) -> Node:
         """Where the sum over ranks of the shares of a gradient `start` makes on their way to `node`
         belongs: at the first collective on the way whose group lacks some of `holders` (the ranks

@@ -220,6 +220,10 @@ class MissingReductions:
         group = self._reduction_group(rank, origin)
         over = f" over ranks {group}" if len(group) > 1 else ""
         how = " with op=ReduceOp.MAX" if kind == "partial max" else ""
+        handed = self._after_backward(rank, origin, node)
+        if handed is not None:
+            return f"all-reduce {value_name(origin)}{how}{over} after the backward call at {line_of(handed)}, " \
+                   "before the step uses it"
         before = ""
         if consumer is not None and line_of(consumer) != line_of(origin):
             before = f", before `{consumer.op}` at {line_of(consumer)} uses it"
@@ -242,11 +246,14 @@ class MissingReductions:
         return set()
 
     def _reduction_sites(self, rank: int, node: Node) -> list[tuple[int, Node]]:
-        """Where the all-reduce belongs (after the last op that only combines shares) and where the
-        shares are made; `node` if neither shows."""
+        """Where the all-reduce belongs (after the last op that only combines shares; for a gradient
+        handed over unreduced, after the backward call: grad_sync.py) and where the shares are made;
+        `node` if neither shows."""
         point, origin = self._reduction_point(rank, node), self._piece_origin(rank, node)
         found = [n for n in (point, origin) if n is not None]
-        return [(rank, n) for n in found if n is found[0] or n.id != found[0].id] or [(rank, node)]
+        sites = [(rank, n) for n in found if n is found[0] or n.id != found[0].id] or [(rank, node)]
+        handed = self._after_backward(rank, point, node) if point is not None else None
+        return sites if handed is None else [(rank, handed), *sites]
 
     def _reduction_point(self, rank: int, node: Node) -> Node | None:
         """The last op on the way from where the shares reaching `node` are made that only adds
