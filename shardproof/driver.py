@@ -21,7 +21,7 @@ from shardproof.partition.structure import structural
 from shardproof.programs import Captured, NumericResult
 from shardproof.prove import Proof, prove
 from shardproof.report.model import Report, Site
-from shardproof.report.rank_flow import NUMBER, chosen_on, rank_choice, returned_at
+from shardproof.report.rank_flow import NUMBER, chosen_on, cut_lines, rank_choice, returned_at
 from shardproof.report.role_flow import role_first
 
 
@@ -111,7 +111,10 @@ def _report(proof: Proof, candidate: Candidate, seconds: float) -> Report:
         report.kind, report.claim, report.fix, report.regions = finding.kind, finding.claim, finding.fix, finding.regions
         report.diagnosis = finding.message + (f"; note: {candidate.caveat}" if candidate.caveat else "")
         located = _located_first(_unique([s for rank, node in finding.distributed for s in _sites(node, rank)]))
-        report.distributed = _rank_choice_first(located, candidate.entries)
+        graphs = {graph.rank: graph for graph in proof.ranks}
+        cuts = list(dict.fromkeys(line for rank, node in finding.distributed if rank in graphs
+                                  for line in cut_lines(graphs[rank], [node])))
+        report.distributed = _rank_choice_first(located, candidate.entries, cuts)
         if finding.kind == "unmatched message" and report.distributed[:1] == located[:1]:  # no rank lost to the peer's
             report.distributed = role_first(report.distributed, finding.distributed, captured.ranks, candidate.entries)
         if captured.unheld and candidate.builds is not None:
@@ -150,27 +153,35 @@ def _sites(node: Node, rank: int) -> list[Site]:
     return [own, earlier] if chosen_on(own.file, own.line) is not None else [earlier, own]
 
 
-def _rank_choice_first(sites: list[Site], entries: frozenset[tuple[str, int]]) -> list[Site]:
+def _rank_choice_first(sites: list[Site], entries: frozenset[tuple[str, int]],
+                       cuts: Iterable[tuple[str, int]] = ()) -> list[Site]:
     """The sites, after the line that gave a name holding a rank a number or a regrouped rank,
     found from the first of them that leads to one (a constant, or a rank pinned to an int, leaves
     no trace in the symbolic rank: rank_flow reads the source); unless the first site already
     names the line that chose a rank, or picks one itself (see `chosen_on`; a neighbour picked
-    there gives way only to a number further back, as in rank_flow)."""
+    there gives way only to a number further back, as in rank_flow). A number found from the lines
+    that cut the values the sites read from the rank's state and inputs (`cuts`, see
+    rank_flow.cut_lines) comes before a regrouped rank, and before the line that chose the rank a
+    site's offsets stand for: those offsets are right when the state was cut for another rank."""
     here = chosen_on(sites[0].file, sites[0].line) if sites else None
-    if not sites or sites[0].op.startswith("rank for ") or here is not None and here.what == NUMBER:
+    if not sites or here is not None and here.what == NUMBER:
         return sites
-    for site in sites:
-        choice = rank_choice(site.file, site.line, entries)
-        if choice is not None and here is not None and choice.what != NUMBER:
-            continue
-        if choice is not None and (choice.file, choice.line) == (sites[0].file, sites[0].line):
-            return sites
-        if choice is not None:
-            named = Site(choice.file, choice.line, choice.code,
-                         f"{f'`{choice.name}` = ' if choice.name else ''}`{choice.value}`, {choice.what}, for {site.op}",
-                         site.rank, site.node)
-            return _unique([named, *sites])
-    return sites
+    chosen = sites[0].op.startswith("rank for ")
+    found = None if chosen else next(((choice, site) for site in sites
+                                      if (choice := rank_choice(site.file, site.line, entries)) is not None
+                                      and (here is None or choice.what == NUMBER)), None)
+    if found is None or found[0].what != NUMBER:
+        cut = next((choice for file, line in cuts if (choice := rank_choice(file, line, entries)) is not None
+                    and choice.what == NUMBER), None)
+        found = found if cut is None else (cut, sites[0])
+    if found is None or (found[0].file, found[0].line) == (sites[0].file, sites[0].line):
+        return sites
+    choice, site = found
+    used = site.op.removeprefix("rank for ")
+    named = Site(choice.file, choice.line, choice.code,
+                 f"{f'`{choice.name}` = ' if choice.name else ''}`{choice.value}`, {choice.what}, for {used}",
+                 site.rank, site.node)
+    return _unique([named, *sites])
 
 
 def _site(node: Node, rank: int | None) -> Site:

@@ -40,6 +40,7 @@ class Proof:
     notes: list[str] = field(default_factory=list)  # what exactly was proven, where it is not obvious
     calls: CallProofs | None = None  # repeated calls: distinct boundaries proven, calls reused
     unchecked: list[str] = field(default_factory=list)  # checks left unproven once enough had failed
+    ranks: list[Graph] = field(default_factory=list)  # the programs proven, whose nodes the findings name
 
     @property
     def verdict(self) -> str:
@@ -118,7 +119,7 @@ def _judged(
         run = run_graphs()
     except CollectiveMismatch as mismatch:
         finding = Finding("discrepancy", mismatch.kind, f"{mismatch.kind}: {mismatch}", mismatch.nodes, fix=mismatch.fix)
-        return Proof([finding], 0, calls=calls)
+        return Proof([finding], 0, calls=calls, ranks=ranks)
     notes: list[str] = []
     findings: list[Finding] = []
     diagnoser: Diagnoser | None = None
@@ -132,7 +133,7 @@ def _judged(
             # tokens) is reduced, if at all, by the program after the call: no fault at the call's boundary
             unproven = [(r, i) for r, i in unproven if not unreduced(run.rules, run.ranks[r][by_rank[r].outputs[i]])]
         if unproven:
-            diagnoser = diagnoser or Diagnoser(run, reference, ranks, claims)
+            diagnoser = diagnoser or Diagnoser(run, reference, ranks, claims, _seed_holds(run, reference, ranks, checks))
             finding = diagnoser.diagnose(unproven, _expected_terms(run, ranks, check, unproven),
                                          _replicated_term(run, reference, check) if claims else None, layout,
                                          _shared(run, reference, check) if claims else None)
@@ -141,7 +142,21 @@ def _judged(
             findings.append(_about(check, finding, named=len(checks) > 1))
     findings.sort(key=lambda f: f.verdict != "discrepancy")
     notes.extend(sorted(run.rules.assumptions))
-    return Proof(findings, len(run.rules.u), notes, calls, [c.label for c in checks[checked:]])
+    return Proof(findings, len(run.rules.u), notes, calls, [c.label for c in checks[checked:]], ranks)
+
+
+def _seed_holds(run: Execution, reference: Graph, ranks: list[Graph], checks: list[Check]) -> Callable[[], bool]:
+    """Whether the loss claim and a claim of a rank's own value (a gradient) are proven: the
+    backward starts from a seed scaled right, so a gradient off by a factor went wrong on its own
+    way back. Asked only where that decides a finding: it proves further claims."""
+    def proven(check: Check) -> bool:
+        return not unproven_outputs(run, reference, ranks, check, [])
+
+    def holds() -> bool:
+        losses = [check for check in checks if check.relation == "loss"]
+        return bool(losses) and all(map(proven, losses)) and any(proven(c) for c in checks if c.relation == "rank")
+
+    return functools.cache(holds)
 
 
 def _expected_terms(run: Execution, ranks: list[Graph], check: Check, unproven: list[tuple[int, int]]) -> dict[tuple[int, int], int]:

@@ -139,3 +139,85 @@ def test_a_parameter_no_rank_holds_is_named_at_the_line_returning_a_rank_model(b
     assert ("so that one of them holds `fc2.bias`" in report.fix) == unheld, report.fix
     fixed = replicated("")
     assert verify(fixed, world_size=2).verdict == "equivalent" and run_numeric(fixed, 2).agree
+
+
+EXPERTS = 4
+
+
+def mixture(x: torch.Tensor, gates: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum_e gates[:, e] * weights[e] @ x."""
+    out = torch.zeros_like(x)
+    for e in range(weights.shape[0]):
+        out = out + gates[:, e : e + 1] * F.linear(x, weights[e])
+    return out
+
+
+class Experts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(EXPERTS, HIDDEN, HIDDEN))
+        self.register_buffer("router", torch.randn(EXPERTS, HIDDEN))  # frozen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return mixture(x, F.linear(x, self.router), self.weight)
+
+
+class ExpertParallel(Experts):
+    """This rank's experts, the first where its group's start; their partial outputs summed over ranks."""
+
+    def __init__(self, rank: int, world_size: int, first_of=lambda rank, world_size, local: rank % world_size * local):
+        super().__init__()
+        self.local = EXPERTS // world_size
+        self.first = first_of(rank, world_size, self.local)
+        self.weight = nn.Parameter(torch.empty(self.local, HIDDEN, HIDDEN))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gates = F.linear(x, self.router)[:, self.first : self.first + self.local]
+        partial = mixture(x, gates, self.weight)
+        dist.all_reduce(partial)
+        return partial
+
+
+def experts_of(state: dict, rank: int, world_size: int) -> dict:
+    local = EXPERTS // world_size
+    first = rank % world_size * local
+    return {"weight": state["weight"][first : first + local], "router": state["router"]}
+
+
+def rank0_experts_of(state: dict, rank: int, world_size: int) -> dict:
+    local = EXPERTS // world_size
+    first = 0 * local  # BUG: rank 0's experts at every rank
+    return {"weight": state["weight"][first : first + local], "router": state["router"]}
+
+
+def rank0_gates(rank: int, world_size: int) -> nn.Module:
+    return ExpertParallel(rank, world_size, lambda rank, world_size, local: 0 % world_size * local)  # BUG
+
+
+def experts(shard, distributed=ExpertParallel) -> Case:
+    return Case(Experts, distributed, lambda: (torch.randn(TOKENS, HIDDEN),), 2, shard,
+                loss=lambda out, x: F.mse_loss(out, x), mode="train")
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_number_for_the_rank_where_the_state_is_cut_comes_before_the_line_regrouping_the_programs(world_size: int) -> None:
+    """The gates the program reads stand for the rank regrouped (RankExpr.origin names that line),
+    and are right; the experts' weights, cut at a number for the rank, are not: the values the
+    sites read come from that cut (rank_flow.cut_lines)."""
+    buggy = experts(rank0_experts_of)
+    assert not run_numeric(buggy, world_size).agree
+    report = verify(buggy, world_size=world_size)
+    assert report.verdict == "discrepancy", report.diagnosis
+    assert "# BUG" in report.distributed[0].code and "a number" in report.distributed[0].op, report.distributed
+    fixed = experts(experts_of)
+    assert verify(fixed, world_size=world_size).verdict == "equivalent" and run_numeric(fixed, world_size).agree
+
+
+def test_a_state_cut_at_the_regrouped_rank_gives_way_to_the_programs_number() -> None:
+    """Must not match: the state is cut right (a regrouped rank is no number), the program's gates
+    are read at a number for the rank."""
+    buggy = experts(experts_of, rank0_gates)
+    assert not run_numeric(buggy, 2).agree
+    report = verify(buggy, world_size=2)
+    assert report.verdict == "discrepancy", report.diagnosis
+    assert "# BUG" in report.distributed[0].code, report.distributed

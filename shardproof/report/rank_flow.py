@@ -13,9 +13,10 @@ file whose results they are (a helper called with `0` for its `rank`; the `retur
 method), to the nearest binding of a rank's name (`rank`, `tp_rank`; not `per_rank`, a count; not
 `root_rank`) to a number (`0`, `0 % tp`: see `constant_for_rank`) or a remainder or quotient of a
 rank; or of any name to an offset computed with a number or a neighbour's rank where the rank goes
-(`range(0 * n, (rank + 1) * n)`, `((rank + 1) % world_size) * rows`: see `_stand_in`). The op's
-own line is read first (a number there), then the conditions it runs under; `chosen_on` tells the
-driver whether a line picks a rank itself.
+(`range(0 * n, (rank + 1) * n)`, `0 % ep * local`, `((rank + 1) % world_size) * rows`: see
+`_stand_in`). The op's own line is read first (a number there), then the conditions it runs under;
+`chosen_on` tells the driver whether a line picks a rank itself, `cut_lines` which lines cut the
+state and inputs the op's values come from (the driver reads them too).
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ import os
 import re
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterator, Union
+from typing import Iterable, Iterator, Union
+
+from shardproof.ir.graph import Graph, Node
+from shardproof.ir.ops import OPS
 
 _RANK_NAME = re.compile(r"(^|_)rank$")
 # a count of ranks (`per_rank`, Megatron's `num_layers_per_pipeline_rank`), a rank that is a constant
@@ -94,6 +98,31 @@ def returned_at(file: str, first_line: int) -> tuple[int, str] | None:
         [n for n in _own_nodes(function) if isinstance(n, ast.Return) and n.value is not None]
     line = max((n.lineno for n in values), default=None)
     return None if line is None else (line, source.lines[line - 1].strip())
+
+
+def cut_lines(graph: Graph, nodes: Iterable[Node]) -> list[tuple[str, int]]:
+    """(file, line) of the ops that `nodes` read that only cut and move the graph's leaves (layout
+    ops on leaves or on such ops): the rank's state and inputs as cut from the reference's
+    (shard_state's and shard_input's slices), and the program's moves of them before it computes
+    with them; nearest first. A number put there for the rank (`first = 0 % ep * local` in
+    shard_state) cuts values the program's own offsets, chosen right, do not match: the fault shows
+    where the offsets are used, but the values read there come from these lines. Nodes of another
+    graph (a repeated module's body) read none of this one's."""
+    nodes = [n for n in nodes if n.id < len(graph.nodes) and graph[n.id] is n]
+    cut: set[int] = set()
+    for node in graph.nodes:
+        if OPS[node.op].kind == "layout" and all(graph[i].op == "leaf" or i in cut for i in node.inputs):
+            cut.add(node.id)
+    lines: dict[tuple[str, int], None] = {}
+    todo, seen = deque(n.id for n in nodes), {n.id for n in nodes}
+    while todo:
+        node = graph[todo.popleft()]
+        if node.id in cut and node.loc is not None:
+            lines.setdefault((node.loc.file, node.loc.line))
+        fresh = [i for i in node.inputs if i not in seen]
+        seen.update(fresh)
+        todo.extend(fresh)
+    return list(lines)
 
 
 def source_of(file: str) -> _Source | None:
@@ -264,12 +293,14 @@ class _Source:
 
     def _stand_in(self, name: str, value: ast.expr) -> RankChoice | None:
         """Where a rank is used in arithmetic (an offset, a range's bounds: `rank * rows`), a number
-        in its place (`0 * rows`, `(0 + 1) * rows`: arithmetic on the number 0, which nobody writes
-        for its own sake) or a neighbour's rank (`((rank + 1) % world_size) * rows`, unnamed)."""
+        in its place (`0 * rows`, `(0 + 1) * rows`, or regrouped: `0 % ep * local`; arithmetic on the
+        number 0, which nobody writes for its own sake) or a neighbour's rank (`((rank + 1) %
+        world_size) * rows`, unnamed)."""
         for node in ast.walk(value):
-            if isinstance(node, ast.BinOp) and not isinstance(node.op, (ast.Mod, ast.FloorDiv)):
-                for side in (node.left, node.right):
-                    if _zero(side) or _neighbour(side):
+            if isinstance(node, ast.BinOp):
+                regrouping = isinstance(node.op, (ast.Mod, ast.FloorDiv))
+                for side in (node.left,) if regrouping else (node.left, node.right):
+                    if _zero(side) or not regrouping and _neighbour(side):
                         return self._choice_at(node.lineno, name, value, NUMBER if _zero(side) else REGROUPED)
         return None
 

@@ -114,6 +114,26 @@ class ScatteredMlp(Mlp):
         return out
 
 
+def gathered_rows(shard: torch.Tensor, world_size: int, gather: bool) -> torch.Tensor:
+    """Every rank's rows of a parameter, as FSDP unshards one before use."""
+    full = shard.new_empty(shard.shape[0] * world_size, *shard.shape[1:])  # BUG without the all_gather
+    if gather:
+        dist.all_gather_into_tensor(full, shard)
+    return full
+
+
+class ShardedHead(nn.Module):
+    """The head's rows flat-sharded over the ranks, gathered whole where it is used."""
+
+    def __init__(self, world_size: int, gather: bool):
+        super().__init__()
+        self.head = nn.Linear(HIDDEN, VOCAB // world_size, bias=False)
+        self.world_size, self.gather = world_size, gather
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, gathered_rows(self.head.weight, self.world_size, self.gather))
+
+
 class Head(nn.Module):
     def __init__(self):
         super().__init__()
@@ -211,6 +231,18 @@ def test_a_buffer_no_all_gather_filled_is_found_at_the_last_value_made_before_it
     said = _check(case(False), 2, "uninitialised memory read")
     assert "`local` (line" in said and "never read" in said
     _check(case(True), 2, None)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_buffer_no_all_gather_of_a_parameter_filled_is_found_where_it_is_allocated(world_size: int) -> None:
+    """No value the program computes is left unread (the gather was handed a parameter): the
+    allocation is named first, where the fill belongs, not the caller reading the result."""
+    def case(gather: bool) -> Case:
+        return Case(Head, lambda r, n: ShardedHead(n, gather), _inputs, output="replicate")
+
+    said = _check(case(False), world_size, "uninitialised memory read")
+    assert "`full`" in said and "never read" not in said
+    _check(case(True), world_size, None)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

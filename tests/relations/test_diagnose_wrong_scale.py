@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
@@ -180,3 +181,92 @@ def test_a_ranks_rows_of_a_gradient_with_the_wrong_coefficient_are_a_wrong_scale
     assert Path(first.file).name == Path(__file__).name and "# BUG" in first.code, report.distributed
     fixed = case(True)
     assert verify(fixed, world_size=world_size).verdict == "equivalent" and run_numeric(fixed, world_size, mode="train").agree
+
+
+# --- an expert's gradient over every rank's tokens, averaged where its parameter is read -----------
+EXPERTS, FFN = 4, 8
+
+
+def _experts(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """sum_e down[e] @ gelu(up[e] @ x)."""
+    out = torch.zeros_like(x)
+    for e in range(up.shape[0]):
+        out = out + F.linear(F.gelu(F.linear(x, up[e])), down[e])
+    return out
+
+
+class Experts(nn.Module):
+    def __init__(self, experts: int = EXPERTS):
+        super().__init__()
+        self.up = nn.Parameter(torch.randn(experts, FFN, HIDDEN) / HIDDEN**0.5)
+        self.down = nn.Parameter(torch.randn(experts, HIDDEN, FFN) / FFN**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + _experts(x, self.up, self.down)
+
+
+class Averaged(torch.autograd.Function):
+    """Reads a parameter; its gradient, which sums the losses of every rank, is averaged over them."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor) -> torch.Tensor:
+        return weight.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad / dist.get_world_size()
+
+
+class ExpertParallel(nn.Module):
+    """This rank's experts (flat, as FSDP holds them), applied to every rank's tokens, their outputs
+    summed back to each rank's; the gradients of those `averaged` averaged over the ranks."""
+
+    def __init__(self, world_size: int, averaged: tuple[str, ...]):
+        super().__init__()
+        self.local, self.averaged = EXPERTS // world_size, averaged
+        self.up = nn.Parameter(torch.empty(self.local * FFN * HIDDEN))
+        self.down = nn.Parameter(torch.empty(self.local * HIDDEN * FFN))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        group = list(range(dist.get_world_size()))
+        tokens = funcol.all_gather_tensor_autograd(x, 0, group)
+        up = (Averaged.apply(self.up) if "up" in self.averaged else self.up).view(self.local, FFN, HIDDEN)
+        down = (Averaged.apply(self.down) if "down" in self.averaged else self.down).view(self.local, HIDDEN, FFN)  # BUG
+        return x + funcol.reduce_scatter_tensor_autograd(_experts(tokens, up, down), "sum", 0, group)
+
+
+def _expert_parallel(world_size: int, averaged: tuple[str, ...], step=None) -> Case:
+    return Case(Experts, lambda r, n: ExpertParallel(n, averaged), lambda: (torch.randn(8, HIDDEN),), world_size,
+                shard_state=lambda state, r, n: {k: v.chunk(n)[r].reshape(-1) for k, v in state.items()},
+                shard_input=lambda i, full, r, n: full.chunk(n)[r], loss=F.mse_loss, distributed_step=step)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_gradient_not_averaged_where_its_parameter_is_read_is_a_wrong_scale_there(checked_step, world_size: int) -> None:
+    """The loss agrees and the other expert weight's gradient is averaged: nothing on the way from
+    where this gradient is computed scales it, so the average belongs where its parameter is read."""
+    report = checked_step(_expert_parallel(world_size, ("up",)), world_size)
+    assert report.verdict == "discrepancy" and report.kind == "wrong scale", report.diagnosis
+    assert f"(x{world_size})" in report.diagnosis and "while the loss and another gradient agree" in report.diagnosis
+    assert "# BUG" in report.distributed[0].code and report.claims == ["gradient of `down`"], report.distributed
+    assert checked_step(_expert_parallel(world_size, ("up", "down")), world_size).verdict == "equivalent"
+
+
+def _seeded_step(divided: bool):
+    """Every rank's loss divided by the ranks' count before the backward: the seed averages the
+    gradients, which sum every rank's losses."""
+    def step(model: nn.Module, inputs: tuple, rank: int, world_size: int) -> torch.Tensor:
+        (x,) = inputs
+        loss = F.mse_loss(model(x), x)
+        (loss / world_size if divided else loss).backward()  # BUG when not divided
+        return loss
+    return step
+
+
+def test_a_seed_scaled_wrong_is_not_taken_for_a_gradient_not_averaged_where_its_parameter_is_read(checked_step) -> None:
+    """Must not match: no gradient is averaged where its parameter is read, and all are off by the
+    same factor: the seed is (the step's loss not divided before its backward)."""
+    report = checked_step(_expert_parallel(2, (), _seeded_step(False)), 2)
+    assert report.verdict == "discrepancy" and "another gradient agree" not in report.diagnosis, report.diagnosis
+    assert ".view(self.local" not in report.distributed[0].code, report.distributed  # no parameter's read first
+    assert checked_step(_expert_parallel(2, (), _seeded_step(True)), 2).verdict == "equivalent"

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from shardproof.report.rank_flow import NUMBER, REGROUPED, chosen_on, rank_choice, returned_at
+from shardproof.ir.graph import Graph, Location
+from shardproof.report.rank_flow import NUMBER, REGROUPED, chosen_on, cut_lines, rank_choice, returned_at
 
 PROGRAMS = {
     "a constructor given 0": """
@@ -138,6 +139,14 @@ PROGRAMS = {
                     continue
                 out = out + blocks[step]  # USE
             return out
+    """,
+    "a group's first expert at a number": """
+        class Experts:
+            def __init__(self, rank, ep):
+                self.first = 0 % ep * (8 // ep)  # LOST
+
+            def forward(self, x):
+                return x[self.first : self.first + 8 // self.ep]  # USE
     """,
     "a number in the offsets of arguments passed starred": """
         def attend(q, k, v):
@@ -330,3 +339,24 @@ def test_the_line_a_function_returns_its_value_from(tmp_path: Path) -> None:
     assert returned_at(str(path), 8) == (8, "build = lambda rank, world_size: Stack(rank)")
     assert returned_at(str(path), 10) is None and returned_at(str(path), 4) is None
     assert returned_at(str(tmp_path / "gone.py"), 1) is None
+
+
+def test_the_cut_lines_are_those_of_the_ops_on_the_leaves_alone_that_the_nodes_read() -> None:
+    """shard_state's slices of the state and shard_input's of the inputs, and the program's moves of
+    them (layout ops on leaves or on such ops), upstream of the nodes, nearest first; not an op
+    computing with them, not a cut the nodes do not read, nothing for a node of another graph."""
+    graph = Graph()
+    at = lambda line: Location("case.py", line, "")  # noqa: E731
+    weight = graph.add("leaf", (), ("state:w",), (4, 4), "f32", "w")
+    x = graph.add("leaf", (), ("input:0",), (2, 4), "f32", "x")
+    rows = graph.add("slice", (weight,), (0, 0, 2), (2, 4), "f32", "rows", at(11))
+    flat = graph.add("view", (rows,), ((8,),), (8,), "f32", "flat", at(12))
+    tokens = graph.add("slice", (x,), (0, 0, 1), (1, 4), "f32", "tokens", at(20))
+    unread = graph.add("slice", (weight,), (0, 2, 4), (2, 4), "f32", "unread", at(13))
+    back = graph.add("view", (flat,), ((2, 4),), (2, 4), "f32", "back", at(30))
+    out = graph.add("matmul", (tokens, back), (), (1, 2), "f32", "out", at(31))
+    assert cut_lines(graph, [graph[out]]) == [("case.py", 20), ("case.py", 30), ("case.py", 12), ("case.py", 11)]  # not 31
+    assert cut_lines(graph, [graph[unread]]) == [("case.py", 13)]
+    other = Graph()
+    other.add("leaf", (), ("state:w",), (4, 4), "f32", "w")
+    assert cut_lines(graph, [other[0]]) == []

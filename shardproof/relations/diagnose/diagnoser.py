@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from fractions import Fraction
+from typing import Callable
 
 from shardproof.ir.graph import Graph, Node
 from shardproof.ir.ops import OPS
@@ -42,14 +43,17 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
                 LayoutFaults, RankChunks, TopCandidates, MergeWeights, SwappedOperands,
                 MisplacedTerms, IndexAxes, OtherDims, UpstreamReductions, UnmaskedSlots, InputCuts, GradientSync,
                 OtherShares):
-    def __init__(self, run: Execution, reference: Graph, ranks: list[Graph], claims: bool = True):
+    def __init__(self, run: Execution, reference: Graph, ranks: list[Graph], claims: bool = True,
+                 seed_holds: Callable[[], bool] = lambda: False):
         """`claims`: the outputs diagnosed are the case's claims, not a call's outputs compared as
-        if whole, which a rank may rightly hold as a scaled share (a region of a reference term)."""
+        if whole, which a rank may rightly hold as a scaled share (a region of a reference term).
+        `seed_holds`: whether the loss and some gradient are proven (prove._seed_holds)."""
         self.run = run
         self.r: Rules = run.rules
         self.reference = reference
         self.ranks = ranks
         self.claims = claims
+        self.seed_holds = seed_holds
         self._grounded: dict[int, bool] = {}
         self._moved: dict[int, bool] = {}  # agreement where moves of agreeing values agree (`grounded`)
         self._moves = False  # whether `_bad` takes such moves as agreeing
@@ -114,7 +118,10 @@ class Diagnoser(MissingReductions, ScaleFaults, CollectiveFaults, CollectiveOper
             self._moves = False
             if moved.verdict == "discrepancy":
                 return moved
-        return found if found.verdict != "unknown" else self._sum_terms_differ(mismatched_outputs) or found
+        found = found if found.verdict != "unknown" else self._sum_terms_differ(mismatched_outputs) or found
+        if found.kind in ("wrong layout", "wrong axis", "unknown"):  # an output the expected one scaled has its layout
+            return self._scaled_whole(expected or {}) or found
+        return found
 
     def _sum_terms_differ(self, mismatched_outputs: list[tuple[int, int]]) -> Finding | None:
         """An output that is the reference's sum but for some terms (misplaced.py)."""

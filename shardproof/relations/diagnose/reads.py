@@ -46,6 +46,18 @@ def _unused_like(graph: Graph, buffers: list[Node], world_size: int) -> Node | N
     return first_of((Fraction(1), Fraction(1, world_size))) or first_of((Fraction(world_size),))
 
 
+def _written_into(graph: Graph, buffer: Node) -> bool:
+    """Whether the program writes anything into `buffer`: an op that moves its elements (a copy
+    into a slice of it is a cat of its slices and the data) also takes other data."""
+    moved = {buffer.id}
+    for node in graph.nodes[buffer.id + 1:]:
+        if node.op in LAYOUT_OPS and any(i in moved for i in node.inputs):
+            if any(i not in moved for i in node.inputs):
+                return True
+            moved.add(node.id)
+    return False
+
+
 def _same_call(graph: Graph, node: Node, other: Graph) -> Node | None:
     """`node`, a collective of `graph`, on `other`: the call of its op over its group that comes as
     many calls later (ranks of different pipeline stages run different ops between them)."""
@@ -127,12 +139,18 @@ class CollectiveOperands:
         return self._unwritten(rank, node.id, f"the output of rank {rank} holds", None)
 
     def _unwritten(self, rank: int, value: int, reading: str, reader: Node | None) -> Finding | None:
+        """Sites: the value left unread that should fill the buffer; then, when nothing is written
+        into the buffer at all, its allocation, where the fill belongs (`full = x.new_empty(...)`
+        then the all-gather into it, in a helper whose caller reads the result: the reader may be
+        far off), and the reader; else the reader first (the copies that leave part of it
+        unwritten are there)."""
         graph = self.ranks[rank]
         empty = self._held({self.run.ranks[rank][value]}, {"empty"}, found_terms=True)
         if not empty:
             return None
         buffers = [graph[self.r.u[t].attrs[1]] for t in sorted(empty)]
         buffer, source = buffers[0], _unused_like(graph, buffers, len(self.ranks))
+        read, made = [] if reader is None else [(rank, reader)], [(rank, buffer)]
         said = "" if source is None else f"; {value_name(source)} ({line_of(source)}), of its size or a " \
             "rank's part of it (or all ranks' parts), is computed and never read: probably what should fill it"
         return Finding(
@@ -140,7 +158,7 @@ class CollectiveOperands:
             "uninitialised memory read",
             f"uninitialised memory read: {reading} elements of {value_name(buffer)}, allocated empty at "
             f"{line_of(buffer)}, that nothing wrote: the collective or copy that should fill it is missing{said}",
-            [*([] if source is None else [(rank, source)]), *([] if reader is None else [(rank, reader)]), (rank, buffer)],
+            [*([] if source is None else [(rank, source)]), *(read + made if _written_into(graph, buffer) else made + read)],
             op=(reader or buffer).op,
             fix=f"fill {value_name(buffer)} (the collective or copy into it"
                 f"{'' if source is None else ' from ' + value_name(source)})"

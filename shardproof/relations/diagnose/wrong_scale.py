@@ -97,6 +97,43 @@ class ScaleFaults:
             fix=f"scale by {by / factor} instead of {by} at {line_of(op)}",
         )
 
+    def _scaled_whole(self, expected: dict[tuple[int, int], int]) -> Finding | None:
+        """A rank's output that is k != 1 times the term it must equal: its layout is right, whatever
+        a layout finding says about the ops before it (a gradient's view compared with another
+        shape's in the reference). See `_unscaled_gradient`."""
+        for (rank, index), wanted in expected.items():
+            node = self.ranks[rank][self.ranks[rank].outputs[index]]
+            (base, have), (whole, want) = self.r.common_factor(self.run.ranks[rank][node.id]), self.r.common_factor(wanted)
+            found = self._unscaled_gradient(rank, node, have / want) if base == whole and have != want else None
+            if found is not None:
+                return found
+        return None
+
+    def _unscaled_gradient(self, rank: int, node: Node, factor: Fraction) -> Finding | None:
+        """A gradient `node`, `factor` times the reference's, that comes from where it is computed
+        through moves alone (no scaling, no collective), while the loss and another gradient agree
+        (the backward's seed is right): the average over the ranks whose losses it sums is missing
+        where it leaves for its parameter (an FSDP unshard's autograd Function left out, whose
+        backward scales and reduces it). Named there, the line that read the parameter, then where
+        it was computed."""
+        graph, tail = self.ranks[rank], node
+        while tail.op in LAYOUT_OPS - {"cat"}:
+            tail = graph[tail.inputs[0]]
+        computed = tail.loc is not None and tail.loc.backward and OPS[tail.op].kind not in ("leaf", "const", "collective")
+        if not computed or not self.seed_holds():
+            return None
+        return Finding(
+            "discrepancy",
+            "wrong scale",
+            f"wrong scale (x{factor}): rank {rank}'s value is {factor} times the reference's while the loss and another "
+            f"gradient agree; nothing scales it on its way from `{tail.op}` at {line_of(tail)} to {value_name(node)} "
+            f"at {line_of(node)}",
+            [(rank, node), *([(rank, tail)] if tail is not node else [])],
+            scale=factor,
+            fix=f"scale {value_name(node)} by {1 / factor} at {line_of(node)} (the average over the ranks whose "
+                f"losses it sums, as the reduction of a parameter's gradient does)",
+        )
+
     def _tail_scaling(self, rank: int, node: Node) -> tuple[Node, Fraction] | None:
         """The last op multiplying (or dividing) by a constant on the way back from `node` through
         ops that only move one operand's elements or reduce over ranks, with the factor it applies."""
