@@ -169,7 +169,7 @@ def _position_of(r: Rules, position: int, peak: int) -> bool:
 def _local_lookup(r: Rules, table: int, index: int, dim: int) -> bool:
     """A lookup into the [lo, hi) shard of a table along `dim` with ids - lo, masked to the shard
     (where) or clamped to it."""
-    masked_index = r.u[_unshaped(r, index)]
+    masked_index = r.u[unshaped(r, index)]
     if masked_index.op == "where":
         return _share_lookup(r, table, index, dim, masked_index.args[0]) is not None
     root, box = r.as_region(table)
@@ -250,21 +250,21 @@ def _share_lookup(r: Rules, table: int, index: int, axis: int, mask: int) -> tup
     if any(b != (0, s) for d, (b, s) in enumerate(zip(box, r.shape(root))) if d != axis):
         return None
     lo, hi = box[axis]
-    outside_mask = _unshaped(r, mask)
+    outside_mask = unshaped(r, mask)
     outside = outside_range(r, outside_mask)
     if outside is None or outside[1:] != (lo, hi):
         return None
-    ids, shifted = outside[0], _unshaped(r, index)
+    ids, shifted = outside[0], unshaped(r, index)
     assumed = {outside_mask: r.const(("full", False), r.shape(outside_mask), "bool")}
     if r.shape(ids) != r.shape(shifted) or not is_shift_of(r, shifted, ids, lo, hi, assumed):
         return None
     return root, ids, lo, hi
 
 
-def _unshaped(r: Rules, t: int) -> int:
+def unshaped(r: Rules, t: int) -> int:
     """`t` without the broadcasts and reshapes around it."""
     term = r.u[t]
-    return _unshaped(r, term.args[0]) if term.op in ("bcast", "view") else t
+    return unshaped(r, term.args[0]) if term.op in ("bcast", "view") else t
 
 
 def unbroadcast(r: Rules, t: int) -> int:
