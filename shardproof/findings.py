@@ -3,7 +3,9 @@
 A finding is about one claim (steps.Check). It stands when the numbers refute that very claim:
 a mismatch in another claim confirms nothing about it. The report leads with the first finding
 that stands, in detail, and names the other failing claims with their kinds of fault, so that a
-wrong gradient is named even when the loss fails too.
+wrong gradient is named even when the loss fails too; its first site is the loss's when the
+gradient's fault shows only in autograd's backward of a forward that already differs (see
+`_forward_first`).
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ from dataclasses import replace
 from typing import Callable
 
 from shardproof.errors import ShardproofError
+from shardproof.ir.graph import Node
 from shardproof.programs import NumericResult
 from shardproof.relations.diagnose import Finding
 from shardproof.relations.messages import UnmatchedMessage
 from shardproof.relations.mismatch import CollectiveMismatch
+from shardproof.report.terms import line_of
 
 NUMERIC_CHECK_LIMIT = 50_000_000  # reference state elements up to which a discrepancy is run numerically
 
@@ -74,15 +78,41 @@ def combined(findings: list[Finding], unchecked: list[str]) -> Finding:
     lead, others = findings[0], findings[1:]
     failing = [f for f in others if f.verdict == "discrepancy"]
     unproven = [f.claim for f in others if f.verdict != "discrepancy"]
+    forward = _forward_first(findings)
     parts = [lead.message]
     if failing:
-        parts.append("also failing: " + ", ".join(f"{f.claim} ({f.brief})" for f in failing))
+        parts.append("also failing: " + ", ".join(f"{f.claim} ({f.brief}{_earlier(f) if f is forward else ''})"
+                                                  for f in failing))
     if unproven:
         parts.append("also unproven: " + ", ".join(str(claim) for claim in unproven))
     if unchecked:
         parts.append(f"{len(unchecked)} further claim{'s' if len(unchecked) > 1 else ''} not checked")
-    sites = [site for f in (lead, *failing) for site in f.distributed]
+    sites = [*(forward.distributed[:1] if forward else []), *(site for f in (lead, *failing) for site in f.distributed)]
     return replace(lead, message="; ".join(parts), distributed=sites)
+
+
+def _earlier(finding: Finding) -> str:
+    return f", already in the forward at {line_of(finding.distributed[0][1])}"
+
+
+def _forward_first(findings: list[Finding]) -> Finding | None:
+    """Another failing claim whose culprit is a forward op that ran, on the same rank, before the
+    lead's culprit, an op of autograd's backward (the loss, whose wrong value the backward only
+    differentiates: a mean's gradient over a tensor of another shape). An op of the backward is
+    derived from the forward's: where the forward already differs is the first site. The lead
+    stays the gradient's (a wrong gradient trains a worse model)."""
+    def culprit(finding: Finding) -> tuple[int, Node] | None:
+        return finding.distributed[0] if finding.verdict == "discrepancy" and finding.distributed else None
+
+    lead = culprit(findings[0])
+    if lead is None or lead[1].loc is None or not lead[1].loc.backward:
+        return None
+    for finding in findings[1:]:
+        other = culprit(finding)
+        if other is not None and other[0] == lead[0] and other[1].loc is not None and not other[1].loc.backward \
+                and other[1].id < lead[1].id:
+            return finding
+    return None
 
 
 def failing_claims(findings: list[Finding]) -> list[str]:

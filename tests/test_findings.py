@@ -6,14 +6,17 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from shardproof import verify
 from shardproof.case import Case
 from shardproof.findings import NUMERIC_CHECK_LIMIT, combined, confirmed, failing_claims
 from shardproof.oracle import run_numeric
+from shardproof.ir.graph import Location, Node
 from shardproof.programs import NumericResult
 from shardproof.relations.diagnose import Finding
 
@@ -118,3 +121,51 @@ def test_a_numeric_run_that_fails_confirms_nothing_and_is_no_discrepancy_itself(
     [partial] = confirmed(fails, [_finding(None, "missing reduction", None)], 1)
     assert partial.verdict == "discrepancy" and "not confirmed numerically: the numeric run failed" in partial.message
     assert "more detail" not in partial.message
+
+
+class _Squares(nn.Module):
+    """Sums of squares of a linear map; `forget` returns the map itself (the head left out)."""
+
+    def __init__(self, forget: bool = False) -> None:
+        super().__init__()
+        self.linear, self.forget = nn.Linear(4, 4), forget
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x)  # the forward's line
+        return h if self.forget else h.pow(2).sum(-1)
+
+
+def _squares_case(forget: bool) -> Case:
+    return Case(reference=_Squares, distributed=lambda rank, n: _Squares(forget), inputs=lambda: (torch.randn(6, 4),),
+                loss=lambda out, x: out.mean(), mode="train")
+
+
+def test_a_loss_that_differs_in_the_forward_names_the_first_site_of_a_gradient_found_in_its_backward() -> None:
+    """The gradient through the mean of a tensor of another shape first differs at the mean's
+    backward (a constant); the loss already differs in the forward, at the value the mean takes.
+    The gradient still leads the report."""
+    report = verify(_squares_case(forget=True), world_size=2)
+    assert report.verdict == "discrepancy" and report.claim != LOSS and report.claims[-1] == LOSS
+    assert "in the backward" not in report.distributed[0].op and "the forward's line" in report.distributed[0].code
+    assert "already in the forward at line" in report.diagnosis
+    assert not run_numeric(_squares_case(forget=True), 2).agree
+    assert verify(_squares_case(forget=False), world_size=2).verdict == "equivalent"
+    assert run_numeric(_squares_case(forget=False), 2).agree
+
+
+def _located(claim: str, node_id: int, backward: bool, rank: int = 0) -> Finding:
+    node = Node(node_id, "mul", (), (), (), "float32", "x", Location("case.py", node_id, "x", backward))
+    return Finding("discrepancy", "wrong scale", f"{claim}: wrong scale", [(rank, node)], claim=claim)
+
+
+@pytest.mark.parametrize("gradient, loss, first", [
+    ((9, True), (3, False, 0), 3),  # the loss's forward op ran before the gradient's backward op
+    ((9, False), (3, False, 0), 9),  # the gradient's culprit is a forward op
+    ((9, True), (12, False, 0), 9),  # the loss's forward op ran after the gradient's backward op
+    ((9, True), (3, False, 1), 9),  # the loss's fault is on another rank
+])
+def test_the_first_site_is_the_loss_forward_fault_before_a_gradient_found_in_the_backward(gradient, loss, first) -> None:
+    findings = [_located(GRADIENT, *gradient), _located(LOSS, *loss)]
+    report = combined(findings, [])
+    assert report.claim == GRADIENT and failing_claims(findings) == [GRADIENT, LOSS]
+    assert report.distributed[0][1].id == first and ("already in the forward" in report.message) == (first == 3)
