@@ -18,11 +18,12 @@ from shardproof.findings import combined, confirmed, failing_claims
 from shardproof.gc_tuning import fewer_collections
 from shardproof.ir.graph import Graph, Node
 from shardproof.partition.structure import structural
-from shardproof.programs import Captured, NumericResult
+from shardproof.programs import LOSS, Captured, NumericResult
 from shardproof.prove import Proof, prove
 from shardproof.report.model import Report, Site
 from shardproof.report.rank_flow import NUMBER, chosen_on, cut_lines, rank_choice, returned_at
 from shardproof.report.role_flow import role_first
+from shardproof.report.saved_flow import saved_origin
 
 
 @dataclass
@@ -117,6 +118,8 @@ def _report(proof: Proof, candidate: Candidate, seconds: float) -> Report:
         report.distributed = _rank_choice_first(located, candidate.entries, cuts)
         if finding.kind == "unmatched message" and report.distributed[:1] == located[:1]:  # no rank lost to the peer's
             report.distributed = role_first(report.distributed, finding.distributed, captured.ranks, candidate.entries)
+        if finding.claim != LOSS and LOSS in report.claims:
+            report.distributed = _saved_value_first(report.distributed)
         if captured.unheld and candidate.builds is not None:
             _unheld_first(report, captured.unheld, candidate.builds)
         report.reference = _located_first(_unique([_site(node, None) for node in finding.reference]))
@@ -182,6 +185,18 @@ def _rank_choice_first(sites: list[Site], entries: frozenset[tuple[str, int]],
                  f"{f'`{choice.name}` = ' if choice.name else ''}`{choice.value}`, {choice.what}, for {used}",
                  site.rank, site.node)
     return _unique([named, *sites])
+
+
+def _saved_value_first(sites: list[Site]) -> list[Site]:
+    """The sites, after the forward's line that computed the number the first one (a line of an
+    autograd Function's backward weighing a term by it) reads from `ctx`: the loss fails too, so
+    the number was already wrong in the forward (see saved_flow)."""
+    origin = saved_origin(sites[0].file, sites[0].line) if sites else None
+    if origin is None:
+        return sites
+    saved = Site(origin.file, origin.line, origin.code, f"`{origin.name}`, saved for the backward's line {origin.used}",
+                 sites[0].rank, sites[0].node)
+    return _unique([saved, *sites])
 
 
 def _site(node: Node, rank: int | None) -> Site:

@@ -20,6 +20,9 @@ def zigzag_chunks(world_size: int) -> list[tuple[int, int]]:
     return [(r, 0) for r in range(world_size)] + [(r, 1) for r in reversed(range(world_size))]
 
 
+LOSS = "loss"  # the loss claim: its label and its relation
+
+
 @dataclass(frozen=True)
 class Check:
     """One claim, proven on every rank that makes it: a rank output equals an expected value.

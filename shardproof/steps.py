@@ -35,7 +35,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from shardproof.case import Case
 from shardproof.errors import CaseError
-from shardproof.programs import Check
+from shardproof.programs import LOSS, Check
 from shardproof.state import as_model_holds, local_shards, module_state, rank_inputs, rank_state
 
 Tensors = list[torch.Tensor]
@@ -183,7 +183,7 @@ class TrainingProgram(Program):
             first = start + 2 * len(with_grad)
             checks += [Check(f"`{n}` after the optimizer step", first + i, first + count + i, "rank")
                        for i, n in enumerate(trained.names)]
-        return [*checks, Check("loss", 0, 0, "loss")] if trained.loss else checks
+        return [*checks, Check(LOSS, 0, 0, LOSS)] if trained.loss else checks
 
     def _optimizer(self, params: Tensors) -> torch.optim.Optimizer:
         make = self.case.optimizer or (lambda ps: torch.optim.SGD(ps, lr=0.1))

@@ -221,3 +221,43 @@ def test_a_state_cut_at_the_regrouped_rank_gives_way_to_the_programs_number() ->
     report = verify(buggy, world_size=2)
     assert report.verdict == "discrepancy", report.diagnosis
     assert "# BUG" in report.distributed[0].code, report.distributed
+
+
+class _Scale(torch.autograd.Function):
+    """x times 2 / (its width + extra), with a custom backward that adds `plus` to the saved scale."""
+
+    @staticmethod
+    def forward(ctx, x, extra, plus):
+        scale = 2.0 / (x.shape[-1] + extra)  # the scale's line
+        ctx.scale, ctx.plus = scale, plus
+        return x * scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        scale, plus = ctx.scale, ctx.plus
+        return grad * (scale + plus), None, None  # the backward's line
+
+
+class _Scaled(nn.Module):
+    def __init__(self, extra: int = 0, plus: float = 0.0) -> None:
+        super().__init__()
+        self.linear, self.extra, self.plus = nn.Linear(4, 4), extra, plus
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Scale.apply(self.linear(x), self.extra, self.plus)
+
+
+def _scaled_case(**wrong) -> Case:
+    return Case(reference=_Scaled, distributed=lambda rank, n: _Scaled(**wrong), inputs=lambda: (torch.randn(6, 4),),
+                loss=lambda out, x: out.mean(), mode="train")
+
+
+@pytest.mark.parametrize("wrong, first", [({"extra": 1}, "the scale's line"), ({"plus": 1.0}, "the backward's line")])
+def test_a_number_a_custom_backward_reads_from_ctx_is_named_where_the_forward_computed_it(wrong, first: str) -> None:
+    """A scale computed wrong in the forward makes the loss fail too: named where it was computed,
+    before the backward's line that uses it. The backward's own arithmetic wrong (the loss right):
+    must not match, the backward's line stays first."""
+    report = verify(_scaled_case(**wrong), world_size=2)
+    assert report.verdict == "discrepancy" and first in report.distributed[0].code
+    assert not run_numeric(_scaled_case(**wrong), 2).agree
+    assert verify(_scaled_case(), world_size=2).verdict == "equivalent" and run_numeric(_scaled_case(), 2).agree

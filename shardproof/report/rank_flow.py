@@ -325,7 +325,7 @@ class _Source:
         if kind == "attr":
             for method in where.body:
                 if isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)) and _self_name(method):
-                    for target, value in _assignments(method):
+                    for target, value in assignments(method):
                         if isinstance(target, ast.Attribute) and target.attr == name and isinstance(target.value, ast.Name) \
                                 and target.value.id == _self_name(method):
                             yield self, target.lineno, value, method
@@ -335,7 +335,7 @@ class _Source:
             if name in _parameters(scope):
                 yield from self._arguments(scope, name, scopes)
                 return
-            found = [(self, t.lineno, v, scope) for t, v in _assignments(scope) if isinstance(t, ast.Name) and t.id == name]
+            found = [(self, t.lineno, v, scope) for t, v in assignments(scope) if isinstance(t, ast.Name) and t.id == name]
             if found:
                 yield from found
                 return
@@ -453,7 +453,7 @@ def _parameters(scope: Scope) -> set[str]:
     return {a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs]} - {_self_name(scope)}
 
 
-def _assignments(scope: Scope) -> Iterator[tuple[ast.expr, ast.expr]]:
+def assignments(scope: Scope) -> Iterator[tuple[ast.expr, ast.expr]]:
     """(target, value) of every binding made in `scope` itself (not in functions nested in it; in
     its comprehensions, whose names Python keeps apart, but a name bound there is bound there)."""
     for node in _own_nodes(scope):
