@@ -22,7 +22,7 @@ from shardproof.partition.templates import expand, has_calls
 from shardproof.programs import Captured, Check, Output, zigzag_chunks
 from shardproof.relations.diagnose import Diagnoser, Finding
 from shardproof.relations.diagnose.agreement import unreduced
-from shardproof.relations.diagnose.input_cuts import Claimed, claimed_spans
+from shardproof.relations.diagnose.input_cuts import Claimed, claimed_share
 from shardproof.relations.diagnose.other_share import Shared
 from shardproof.relations.execute import CollectiveMismatch, Execution, execute
 from shardproof.relations.layout import box_along
@@ -256,12 +256,8 @@ def _holds_share(rules: Rules, term: int, wanted: int, relation: Output, index: 
                  same: Callable[[int, int], bool]) -> bool:
     """Whether the `index`-th holder's output is proven the share of `wanted` the claim gives it:
     such a rank is no fault of the joined output's, whatever the others hold."""
-    shape = rules.shape(wanted)
-    dim = relation[1] % len(shape)
-    spans = claimed_spans(relation[0], shape[dim], index, holders)
-    if spans is None:
-        return False
-    return same(term, rules.cat([rules.slice(wanted, box_along(shape, dim, lo, hi)) for lo, hi in spans], dim))
+    share = claimed_share(rules, wanted, relation[0], relation[1] % len(rules.shape(wanted)), index, holders)
+    return share is not None and same(term, share)
 
 
 def _equal(run: Execution, term: int, expected: int) -> bool:

@@ -7,11 +7,17 @@ part, the fault is at the cut. A part of `Diagnoser`.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from shardproof.ir.graph import Graph, Node
 from shardproof.programs import Output, zigzag_chunks
 from shardproof.relations.diagnose.finding import Finding
 from shardproof.relations.diagnose.overlap import Span
+from shardproof.relations.layout import box_along
 from shardproof.report.terms import line_of
+
+if TYPE_CHECKING:
+    from shardproof.relations.rules import Rules
 
 _CUTTING = {"slice", "view", "permute", "expand", "convert", "cat"}  # ops that cut and join regions of an input
 Cut = tuple[int, list[Span]]  # the one dim an input is cut along, and the spans of it a rank holds, in order
@@ -148,6 +154,15 @@ def claimed_spans(kind: str, size: int, rank: int, world_size: int) -> list[Span
         return [(rank * width, (rank + 1) * width)]
     held = [chunk for chunk, (owner, _) in enumerate(zigzag_chunks(world_size)) if owner == rank]
     return [(chunk * width, (chunk + 1) * width) for chunk in held]
+
+
+def claimed_share(rules: Rules, whole: int, kind: str, dim: int, rank: int, world_size: int) -> int | None:
+    """The term of rank `rank`'s share of `whole` along `dim` under the claim (see `claimed_spans`)."""
+    shape = rules.shape(whole)
+    spans = claimed_spans(kind, shape[dim], rank, world_size)
+    if spans is None:
+        return None
+    return rules.cat([rules.slice(whole, box_along(shape, dim, lo, hi)) for lo, hi in spans], dim)
 
 
 def _joined(spans: list[Span]) -> list[Span]:

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from shardproof.programs import Output
 from shardproof.relations.diagnose.finding import Finding
-from shardproof.relations.diagnose.input_cuts import claimed_spans, spans_text
-from shardproof.relations.layout import box_along
+from shardproof.relations.diagnose.input_cuts import claimed_share, claimed_spans, spans_text
 from shardproof.report.terms import line_of, value_name
 
 Shared = tuple[Output, int]  # a claim that cuts a reference output over all ranks, and that output's term
@@ -28,7 +27,7 @@ class OtherShares:
         shares = [claimed_spans(kind, shape[dim], rank, n) for rank in range(n)]
         if None in shares:
             return None
-        held = {self._share(whole, spans, dim): rank for rank, spans in enumerate(shares)}
+        held = {claimed_share(self.r, whole, kind, dim, rank, n): rank for rank in range(n)}
         for rank, index in mismatched_outputs:
             node = self.ranks[rank][self.ranks[rank].outputs[index]]
             other = held.get(self.run.ranks[rank][node.id])
@@ -44,7 +43,3 @@ class OtherShares:
                 fix=f"make rank {rank} compute its own share ({spans_text(shares[rank])} of dim {dim}) by {line_of(node)}",
             )
         return None
-
-    def _share(self, whole: int, spans: list[tuple[int, int]], dim: int) -> int:
-        shape = self.r.shape(whole)
-        return self.r.cat([self.r.slice(whole, box_along(shape, dim, lo, hi)) for lo, hi in spans], dim)
