@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from shardproof.capture.hops import is_higher_order, through_dense
 from shardproof.case import Case
 from shardproof.errors import CaseError
-from shardproof.programs import Check, NumericResult, Output
+from shardproof.programs import LOSS, Check, NumericResult, Output
 from shardproof.state import module_state
 from shardproof.steps import Program, Trained, program_for
 from shardproof.threaded_p2p import point_to_point
@@ -414,7 +414,7 @@ def _check(check: Check, ref_out: list[torch.Tensor], rank_outs: list[list[torch
     if check.relation == "rank":
         return [_close(rank, got, outs[check.expected], atol, rtol, where) for got, (rank, outs) in zip(actual, holders)]
     ref = ref_out[check.expected]
-    if check.relation == "loss":
+    if check.relation == LOSS:
         replicated = [_close(rank, got, ref, atol, rtol, where) for got, (rank, _) in zip(actual, holders)]
         if all(c.ok for c in replicated):
             return replicated

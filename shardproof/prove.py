@@ -19,7 +19,7 @@ from shardproof.ir.graph import Graph
 from shardproof.partition.boundary import NotPartitioned
 from shardproof.partition.execute import CallProofs, Unmatched, aligned, execute_with_calls, instances, through_call
 from shardproof.partition.templates import expand, has_calls
-from shardproof.programs import Captured, Check, Output, zigzag_chunks
+from shardproof.programs import LOSS, Captured, Check, Output, zigzag_chunks
 from shardproof.relations.diagnose import Diagnoser, Finding
 from shardproof.relations.diagnose.agreement import unreduced
 from shardproof.relations.diagnose.input_cuts import Claimed, claimed_share
@@ -153,7 +153,7 @@ def _seed_holds(run: Execution, reference: Graph, ranks: list[Graph], checks: li
         return not unproven_outputs(run, reference, ranks, check, [])
 
     def holds() -> bool:
-        losses = [check for check in checks if check.relation == "loss"]
+        losses = [check for check in checks if check.relation == LOSS]
         return bool(losses) and all(map(proven, losses)) and any(proven(c) for c in checks if c.relation == "rank")
 
     return functools.cache(holds)
@@ -171,23 +171,28 @@ def _claimed(reference: Graph, checks: list[Check]) -> Claimed | None:
     """The layout the first shard claim cuts its reference output in, with that output's shape:
     the share of a dim each rank's inputs are cut in, where they are cut like the output."""
     for check in checks:
-        if check.relation not in ("rank", "loss") and check.relation[0] in ("shard", "zigzag"):
+        if _sharded(check):
             return check.relation, reference[reference.outputs[check.expected]].shape
     return None
 
 
 def _replicated_term(run: Execution, reference: Graph, check: Check) -> int | None:
     """The reference value every rank's output must equal whole, for a replicated output."""
-    if check.relation in ("rank", "loss") or check.relation[0] in ("shard", "zigzag"):
+    if check.relation in ("rank", LOSS) or _sharded(check):
         return None
     return run.reference[reference.outputs[check.expected]]
 
 
 def _shared(run: Execution, reference: Graph, check: Check) -> Shared | None:
     """A claim cutting a reference output over all ranks, with that output's term."""
-    if check.ranks is not None or check.relation in ("rank", "loss") or check.relation[0] not in ("shard", "zigzag"):
+    if check.ranks is not None or not _sharded(check):
         return None
     return check.relation, run.reference[reference.outputs[check.expected]]
+
+
+def _sharded(check: Check) -> bool:
+    """Whether the claim cuts a reference output over the ranks (Shard or zigzag)."""
+    return check.relation not in ("rank", LOSS) and check.relation[0] in ("shard", "zigzag")
 
 
 def _misshapen(diagnoser: Diagnoser, reference: Graph, ranks: list[Graph], check: Check, unproven: list[tuple[int, int]]) -> Finding | None:
@@ -206,7 +211,7 @@ def _misshapen(diagnoser: Diagnoser, reference: Graph, ranks: list[Graph], check
 def _about(check: Check, finding: Finding, named: bool) -> Finding:
     """The finding as one about `check`, saying which claim failed (the output, loss, gradient or
     parameter) when there is more than one, and always in training."""
-    message = f"{check.label}: {finding.message}" if named or check.relation in ("loss", "rank") else finding.message
+    message = f"{check.label}: {finding.message}" if named or check.relation in (LOSS, "rank") else finding.message
     return replace(finding, claim=check.label, message=message)
 
 
@@ -221,7 +226,7 @@ def unproven_outputs(run: Execution, reference: Graph, ranks: list[Graph], check
         expected = [run.ranks[g.rank][g.outputs[check.expected]] for g in ranks]
         return [(g.rank, check.actual) for g, a, e in zip(ranks, actual, expected) if not same(a, e)]
     wanted = run.reference[reference.outputs[check.expected]]
-    if check.relation == "loss":
+    if check.relation == LOSS:
         if all(same(a, wanted) for a in actual):
             return []
         mean = rules.lin([(a, Fraction(1, len(actual))) for a in actual])

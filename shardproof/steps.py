@@ -210,7 +210,7 @@ def merged(per_rank: list[list[Check]]) -> list[Check]:
 def _claim_order(check: Check) -> int:
     """Gradients, then updated parameters, then the loss (see TrainingProgram.checks); forward
     outputs in their order."""
-    return 2 if check.relation == "loss" else int(check.label.endswith("after the optimizer step"))
+    return 2 if check.relation == LOSS else int(check.label.endswith("after the optimizer step"))
 
 
 def program_for(case: Case, reference: torch.nn.Module, mode: str) -> Program:
